@@ -1,0 +1,2 @@
+//! smoe compute: tensor ops for inference.
+pub mod cpu;

@@ -1,0 +1,1 @@
+//! smoe server.
