@@ -1,1 +1,67 @@
-fn main() {}
+//! `smoe`: run Mixture-of-Experts language models larger than memory.
+
+mod cmd;
+mod common;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "smoe", version, about = "Run Mixture-of-Experts language models that are larger than memory")]
+struct Cli {
+    /// More log output (-v info, -vv debug); RUST_LOG also works.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    verbose: u8,
+    /// Worker threads for CPU compute (default: all cores).
+    #[arg(long, global = true, value_name = "N")]
+    threads: Option<usize>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Convert a Hugging Face checkpoint directory into a .smoe vault.
+    Convert(cmd::convert::Args),
+    /// Generate text (or token ids) from a prompt.
+    Generate(cmd::generate::Args),
+    /// Score a token sequence: log-probabilities, argmax and mean NLL.
+    Logprobs(cmd::logprobs::Args),
+    /// Perplexity of a text file.
+    Perplexity(cmd::perplexity::Args),
+    /// Show a vault's configuration, tensors, quantization and checksums.
+    Inspect(cmd::inspect::Args),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    common::init_logging(cli.verbose);
+    // A panic is a bug, but the user still gets one line, not a backtrace dump.
+    std::panic::set_hook(Box::new(|info| {
+        let msg = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        let at = info.location().map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
+        eprintln!("error: internal error (please report): {msg}{at}");
+    }));
+    if let Some(n) = cli.threads {
+        if let Err(e) = rayon::ThreadPoolBuilder::new().num_threads(n.max(1)).build_global() {
+            eprintln!("error: --threads: {e}");
+            std::process::exit(2);
+        }
+    }
+    let result = match cli.command {
+        Command::Convert(a) => cmd::convert::run(a),
+        Command::Generate(a) => cmd::generate::run(a),
+        Command::Logprobs(a) => cmd::logprobs::run(a),
+        Command::Perplexity(a) => cmd::perplexity::run(a),
+        Command::Inspect(a) => cmd::inspect::run(a),
+    };
+    if let Err(e) = result {
+        // One line: the error and its causes, joined.
+        eprintln!("error: {}", format!("{e:#}").replace('\n', " "));
+        std::process::exit(1);
+    }
+}

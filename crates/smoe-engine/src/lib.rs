@@ -1,1 +1,15 @@
-//! smoe engine.
+//! smoe engine: models, expert store, KV cache, sampler, tokenizer + chat template and the
+//! generation loop.
+pub mod chat;
+pub mod engine;
+pub mod error;
+pub mod experts;
+pub mod kv_cache;
+pub mod model;
+pub mod rope;
+pub mod sampler;
+pub mod tokenizer;
+
+pub use engine::{Engine, GenerateOptions, Generation, LogprobsResult, Session};
+pub use error::EngineError;
+pub use model::{Logits, Model};

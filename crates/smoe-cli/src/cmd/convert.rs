@@ -1,0 +1,55 @@
+//! `smoe convert`: Hugging Face checkpoint → .smoe vault.
+
+use crate::common::{human_bytes, progress_bar};
+use anyhow::{bail, Context, Result};
+use smoe_vault::import::{hf, ConvertOptions, HfCheckpoint};
+use smoe_vault::DType;
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// The checkpoint directory (config.json, *.safetensors, tokenizer files).
+    hf_dir: PathBuf,
+    /// Output vault.
+    #[arg(short, long, value_name = "OUT.smoe")]
+    output: PathBuf,
+    /// Storage type of the routed experts.
+    #[arg(long, default_value = "q4", value_parser = ["bf16", "q8", "q4", "q2"])]
+    quant: String,
+    /// Storage type of the dense scout tensors (attention, dense MLPs, embedding, LM head).
+    #[arg(long, default_value = "bf16", value_parser = ["bf16", "q8"])]
+    scout: String,
+    /// Replace OUT if it exists.
+    #[arg(long)]
+    force: bool,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    if a.output.exists() && !a.force {
+        bail!("{} exists (pass --force to replace it)", a.output.display());
+    }
+    let opts = ConvertOptions {
+        experts: a.quant.parse::<DType>().map_err(anyhow::Error::msg)?,
+        scout: a.scout.parse::<DType>().map_err(anyhow::Error::msg)?,
+    };
+    let ck = HfCheckpoint::open(&a.hf_dir)?;
+    let c = &ck.config;
+    eprintln!(
+        "{}: {} layers, hidden {}, {} experts (top-{}), vocab {}; experts {}, scout {}",
+        c.architecture.hf_class(),
+        c.num_layers,
+        c.hidden_size,
+        c.num_experts,
+        c.num_experts_per_tok,
+        c.vocab_size,
+        opts.experts,
+        opts.scout
+    );
+    let pb = progress_bar(ck.source_bytes(), "converting");
+    let mut progress = |bytes: u64, _what: &str| pb.inc(bytes);
+    let len = hf::convert_checkpoint_to_path(&ck, &a.output, opts, &mut progress)
+        .with_context(|| format!("converting {}", a.hf_dir.display()))?;
+    pb.finish_and_clear();
+    eprintln!("wrote {} ({})", a.output.display(), human_bytes(len));
+    Ok(())
+}

@@ -1,0 +1,150 @@
+//! `smoe generate`: continue a prompt.
+
+use crate::common::{open_engine, parse_ids, Backend};
+use anyhow::{bail, Result};
+use smoe_engine::chat::{ChatMessage, ChatTemplate, CHATML_TEMPLATE};
+use smoe_engine::GenerateOptions;
+use std::io::Write;
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[arg(short, long, value_name = "M.smoe")]
+    model: PathBuf,
+    /// Prompt text (tokenized with the model's tokenizer).
+    #[arg(long, conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
+    prompt: Option<String>,
+    /// Prompt as token ids, comma-separated (used verbatim; no BOS is added).
+    #[arg(long, value_name = "1,2,3")]
+    prompt_ids: Option<String>,
+    /// Wrap --prompt in the model's chat template as one user message.
+    #[arg(long, requires = "prompt")]
+    chat: bool,
+    /// Maximum number of tokens to generate.
+    #[arg(short = 'n', long = "max-tokens", default_value_t = 128)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 = greedy. Default: the model's generation_config.
+    #[arg(long)]
+    temperature: Option<f32>,
+    #[arg(long)]
+    top_k: Option<usize>,
+    #[arg(long)]
+    top_p: Option<f32>,
+    #[arg(long)]
+    min_p: Option<f32>,
+    #[arg(long)]
+    repetition_penalty: Option<f32>,
+    /// Random seed for sampling (default: from the clock; printed with --json).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Stop when this text appears (repeatable); the stop text is not printed.
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Do not stop at the model's end-of-sequence tokens.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Context length to allocate (default: prompt + max tokens).
+    #[arg(long)]
+    ctx: Option<usize>,
+    #[arg(long, value_enum, default_value = "auto")]
+    backend: Backend,
+    /// Print one JSON object with "tokens" (and "text" when the model has a tokenizer).
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let engine = open_engine(&a.model, a.backend)?;
+    let prompt: Vec<u32> = match (&a.prompt_ids, &a.prompt) {
+        (Some(ids), _) => parse_ids(ids)?,
+        (None, Some(text)) => {
+            let tok = engine.tokenizer()?;
+            let text = if a.chat {
+                let fallback;
+                let template = match &engine.template {
+                    Some(t) => t,
+                    None => {
+                        fallback = ChatTemplate::new(CHATML_TEMPLATE, None, None)?;
+                        &fallback
+                    }
+                };
+                template.render(&[ChatMessage::new("user", text.as_str())], None, true, None)?
+            } else {
+                text.clone()
+            };
+            tok.encode(&text, true)?
+        }
+        (None, None) => bail!("give --prompt or --prompt-ids"),
+    };
+    if prompt.is_empty() {
+        bail!("the prompt encodes to no tokens");
+    }
+    let mut sampler = engine.default_sampler();
+    if let Some(t) = a.temperature {
+        sampler.temperature = t;
+    }
+    if let Some(k) = a.top_k {
+        sampler.top_k = k;
+    }
+    if let Some(p) = a.top_p {
+        sampler.top_p = p;
+    }
+    if let Some(p) = a.min_p {
+        sampler.min_p = p;
+    }
+    if let Some(r) = a.repetition_penalty {
+        sampler.repetition_penalty = r;
+    }
+    sampler.seed = a.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+    });
+    let opts = GenerateOptions {
+        max_tokens: a.max_tokens,
+        sampler: sampler.clone(),
+        stop_ids: if a.ignore_eos { vec![] } else { engine.generation.eos_token_ids.clone() },
+        stop_strings: a.stop.clone(),
+    };
+    let ctx = a.ctx.unwrap_or(prompt.len() + a.max_tokens);
+    if ctx < prompt.len() + 1 {
+        bail!("--ctx {ctx} leaves no room after the {}-token prompt", prompt.len());
+    }
+    let mut session = engine.session(ctx);
+    let stream = !a.json && engine.tokenizer.is_some();
+    let mut stdout = std::io::stdout();
+    let g = session.generate(&prompt, &opts, &mut |delta| {
+        if stream {
+            let _ = stdout.write_all(delta.as_bytes());
+            let _ = stdout.flush();
+        }
+    })?;
+    if a.json {
+        let mut v = serde_json::json!({
+            "tokens": g.tokens,
+            "finish_reason": g.finish_reason,
+            "prompt_tokens": g.prompt_tokens,
+            "seed": sampler.seed,
+            "prefill_seconds": g.prefill_seconds,
+            "decode_seconds": g.decode_seconds,
+            "decode_tok_per_s": g.decode_tok_per_s(),
+        });
+        if let Some(t) = &g.text {
+            v["text"] = serde_json::Value::String(t.clone());
+        }
+        println!("{v}");
+    } else {
+        if stream {
+            println!();
+        } else {
+            println!("{}", g.tokens.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(","));
+        }
+        eprintln!(
+            "[{} prompt tokens, {:.1} tok/s prefill; {} generated, {:.1} tok/s decode; {:?}]",
+            g.prompt_tokens,
+            g.prompt_tokens as f64 / g.prefill_seconds.max(1e-9),
+            g.tokens.len(),
+            g.decode_tok_per_s(),
+            g.finish_reason
+        );
+    }
+    Ok(())
+}

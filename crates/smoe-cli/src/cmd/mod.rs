@@ -1,0 +1,5 @@
+pub mod convert;
+pub mod generate;
+pub mod inspect;
+pub mod logprobs;
+pub mod perplexity;

@@ -1,0 +1,254 @@
+//! The generation loop: open a vault, prefill in chunks, decode, sample, stop.
+
+use crate::chat::ChatTemplate;
+use crate::error::EngineError;
+use crate::kv_cache::KvCache;
+use crate::model::{Logits, Model, Scratch};
+use crate::sampler::{argmax, log_softmax_at, Sampler, SamplerConfig, StopStrings};
+use crate::tokenizer::Tokenizer;
+use serde::Serialize;
+use smoe_vault::{GenerationDefaults, Vault};
+use std::path::Path;
+use std::time::Instant;
+
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    /// Check every scout tensor's checksum at load (expert blobs are checked on first use).
+    pub verify: bool,
+    /// Tokens per prefill chunk: bounds activation memory, keeps weight reads shared.
+    pub prefill_chunk: usize,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions { verify: true, prefill_chunk: 256 }
+    }
+}
+
+/// A loaded model with its text side.
+pub struct Engine {
+    pub vault: Vault,
+    pub model: Model,
+    pub tokenizer: Option<Tokenizer>,
+    pub template: Option<ChatTemplate>,
+    pub generation: GenerationDefaults,
+    pub opts: EngineOptions,
+}
+
+impl Engine {
+    pub fn open(path: &Path, opts: EngineOptions) -> Result<Self, EngineError> {
+        let vault = Vault::open(path)?;
+        if opts.verify {
+            vault.verify_scout()?;
+        }
+        let model = Model::load(&vault)?;
+        let text = &vault.header.text;
+        let tokenizer = text.tokenizer_json.as_deref().map(Tokenizer::from_json).transpose()?;
+        let template = text
+            .chat_template
+            .as_deref()
+            .map(|t| ChatTemplate::new(t, text.bos_token.clone(), text.eos_token.clone()))
+            .transpose()?;
+        let generation = vault.header.generation.clone();
+        Ok(Engine { vault, model, tokenizer, template, generation, opts })
+    }
+
+    /// A fresh sequence with room for `ctx` positions (capped at the model's maximum).
+    pub fn session(&self, ctx: usize) -> Session<'_> {
+        let ctx = ctx.min(self.model.config().max_position_embeddings).max(1);
+        Session { engine: self, kv: self.model.new_cache(ctx), scratch: Scratch::default(), tokens: vec![] }
+    }
+
+    pub fn tokenizer(&self) -> Result<&Tokenizer, EngineError> {
+        self.tokenizer.as_ref().ok_or(EngineError::NoTokenizer)
+    }
+
+    /// Sampling settings from the model's generation_config, where it has them.
+    pub fn default_sampler(&self) -> SamplerConfig {
+        let g = &self.generation;
+        if g.do_sample == Some(false) {
+            return SamplerConfig::greedy();
+        }
+        let d = SamplerConfig::default();
+        SamplerConfig {
+            temperature: g.temperature.unwrap_or(d.temperature),
+            top_k: g.top_k.unwrap_or(d.top_k),
+            top_p: g.top_p.unwrap_or(d.top_p),
+            min_p: g.min_p.unwrap_or(d.min_p),
+            repetition_penalty: g.repetition_penalty.unwrap_or(d.repetition_penalty),
+            ..d
+        }
+    }
+
+    /// Log-probabilities of a token sequence under the model (teacher forcing).
+    pub fn logprobs(&self, ids: &[u32]) -> Result<LogprobsResult, EngineError> {
+        if ids.is_empty() {
+            return Err(EngineError::Invalid("no tokens to score".into()));
+        }
+        let mut s = self.session(ids.len());
+        if s.kv.capacity() < ids.len() {
+            return Err(EngineError::ContextFull { needed: ids.len(), capacity: s.kv.capacity() });
+        }
+        let logits = s.feed(ids, Logits::All)?;
+        let vocab = self.model.config().vocab_size;
+        let rows: Vec<&[f32]> = logits.chunks_exact(vocab).collect();
+        let argmax = rows.iter().map(|r| argmax(r)).collect();
+        let logprobs: Vec<f32> = (0..ids.len() - 1).map(|i| log_softmax_at(rows[i], ids[i + 1])).collect();
+        let nll = if logprobs.is_empty() {
+            0.0
+        } else {
+            -logprobs.iter().map(|&x| x as f64).sum::<f64>() / logprobs.len() as f64
+        };
+        Ok(LogprobsResult { logprobs, argmax, nll })
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct LogprobsResult {
+    /// `logprobs[i]` = log p(t[i+1] | t[..=i]).
+    pub logprobs: Vec<f32>,
+    /// The most likely next token after every position.
+    pub argmax: Vec<u32>,
+    /// −mean(logprobs).
+    pub nll: f64,
+}
+
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    pub max_tokens: usize,
+    pub sampler: SamplerConfig,
+    /// Generation ends after emitting one of these ids (it is not part of the text).
+    pub stop_ids: Vec<u32>,
+    pub stop_strings: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// An EOS id or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Generation {
+    pub tokens: Vec<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
+    pub finish_reason: FinishReason,
+    pub prompt_tokens: usize,
+    pub prefill_seconds: f64,
+    pub decode_seconds: f64,
+}
+
+impl Generation {
+    pub fn decode_tok_per_s(&self) -> f64 {
+        // The first token comes out of the prefill; the rest are decode steps.
+        let steps = self.tokens.len().saturating_sub(1);
+        if self.decode_seconds > 0.0 {
+            steps as f64 / self.decode_seconds
+        } else {
+            0.0
+        }
+    }
+}
+
+/// One sequence: its KV cache and the tokens it has seen.
+pub struct Session<'e> {
+    engine: &'e Engine,
+    pub kv: KvCache,
+    scratch: Scratch,
+    pub tokens: Vec<u32>,
+}
+
+impl<'e> Session<'e> {
+    /// Appends `tokens`, prefilling in chunks; returns logits as `want` asks (`All`: every
+    /// position of `tokens`; `Last`: the final one).
+    pub fn feed(&mut self, tokens: &[u32], want: Logits) -> Result<Vec<f32>, EngineError> {
+        self.kv.check_room(tokens.len())?;
+        let chunk = self.engine.opts.prefill_chunk.max(1);
+        let mut out = vec![];
+        let n_chunks = tokens.len().div_ceil(chunk);
+        for (i, part) in tokens.chunks(chunk).enumerate() {
+            let w = match want {
+                Logits::All => Logits::All,
+                Logits::Last if i + 1 == n_chunks => Logits::Last,
+                _ => Logits::None,
+            };
+            out.extend(self.engine.model.forward(&mut self.kv, part, w, &mut self.scratch)?);
+            self.tokens.extend_from_slice(part);
+        }
+        Ok(out)
+    }
+
+    pub fn reset(&mut self) {
+        self.kv.clear();
+        self.tokens.clear();
+    }
+
+    /// Generates after `prompt`; `on_text` receives text deltas as they become final (only when
+    /// the model has a tokenizer).
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<Generation, EngineError> {
+        if prompt.is_empty() {
+            return Err(EngineError::Invalid("the prompt is empty".into()));
+        }
+        opts.sampler.validate()?;
+        let tok = self.engine.tokenizer.as_ref();
+        let mut decoder = tok.map(|t| t.stream_decoder(true));
+        let mut stops = StopStrings::new(opts.stop_strings.clone());
+        let mut text = tok.map(|_| String::new());
+        let mut sampler = Sampler::new(opts.sampler.clone());
+        let t0 = Instant::now();
+        let mut logits = self.feed(prompt, Logits::Last)?;
+        let prefill_seconds = t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        let mut generated = vec![];
+        let mut finish = FinishReason::Length;
+        while generated.len() < opts.max_tokens {
+            let id = sampler.sample(&mut logits, &self.tokens);
+            generated.push(id);
+            if opts.stop_ids.contains(&id) {
+                finish = FinishReason::Stop;
+                break;
+            }
+            if let (Some(d), Some(t)) = (decoder.as_mut(), text.as_mut()) {
+                if let Some(delta) = d.step(id)? {
+                    let out = stops.push(&delta);
+                    t.push_str(&out.text);
+                    on_text(&out.text);
+                    if out.stopped.is_some() {
+                        finish = FinishReason::Stop;
+                        break;
+                    }
+                }
+            }
+            if generated.len() == opts.max_tokens || self.kv.check_room(1).is_err() {
+                break;
+            }
+            logits = self.feed(&[id], Logits::Last)?;
+        }
+        if let (Some(d), Some(t)) = (decoder.as_mut(), text.as_mut()) {
+            if finish != FinishReason::Stop || stops.stopped().is_none() {
+                let rest = d.finish()?;
+                let out = stops.push(&rest);
+                let tail = if out.stopped.is_some() { out.text } else { out.text + &stops.finish() };
+                t.push_str(&tail);
+                on_text(&tail);
+            }
+        }
+        Ok(Generation {
+            tokens: generated,
+            text,
+            finish_reason: finish,
+            prompt_tokens: prompt.len(),
+            prefill_seconds,
+            decode_seconds: t1.elapsed().as_secs_f64(),
+        })
+    }
+}
