@@ -160,7 +160,13 @@ impl StreamDecoder {
     }
 
     /// Feeds one id; returns the newly completed text, if any.
+    ///
+    /// Ids past the tokenizer's vocabulary (models pad their embedding beyond it, and a sampler
+    /// can land there) have no text: they are skipped rather than failing the generation.
     pub fn step(&mut self, id: u32) -> Result<Option<String>, TextError> {
+        if id as usize >= self.tok.vocab_size() {
+            return Ok(None);
+        }
         self.ids.push(id);
         let prefix = self
             .tok

@@ -1,0 +1,185 @@
+//! The `smoe` binary as users and scripts call it: spellings, JSON shapes, and one-line errors
+//! with a non-zero exit for bad input.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn smoe(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_smoe")).args(args).output().expect("run smoe")
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn demo() -> String {
+    root().join("models/tiny-qwen3-moe.smoe").to_string_lossy().into_owned()
+}
+
+/// Fails unless the command failed with exactly one line on stderr starting with `error:`, and
+/// that line contains `needle`.
+fn assert_one_line_error(out: &Output, needle: &str) {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "expected failure, got success; stderr: {err}");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    let last = lines.last().copied().unwrap_or("");
+    assert!(last.starts_with("error:"), "stderr: {err}");
+    assert!(last.contains(needle), "expected '{needle}' in: {last}");
+    assert!(!err.contains("panicked"), "panic: {err}");
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("smoe-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn every_command_has_help() {
+    for cmd in [vec!["--help"], vec!["convert", "--help"], vec!["generate", "--help"], vec!["logprobs", "--help"],
+                vec!["perplexity", "--help"], vec!["inspect", "--help"]] {
+        let out = smoe(&cmd);
+        assert!(out.status.success(), "{cmd:?}");
+        assert!(String::from_utf8_lossy(&out.stdout).contains("Usage"), "{cmd:?}");
+    }
+}
+
+#[test]
+fn generate_json_has_tokens_and_text() {
+    let out = smoe(&["generate", "-m", &demo(), "--prompt-ids", "5,6,7", "-n", "6", "--temperature", "0", "--ignore-eos", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["tokens"].as_array().unwrap().len(), 6);
+    assert!(v["text"].is_string());
+    // Greedy is deterministic.
+    let again = smoe(&["generate", "-m", &demo(), "--prompt-ids", "5,6,7", "-n", "6", "--temperature", "0", "--ignore-eos", "--json"]);
+    let w: serde_json::Value = serde_json::from_slice(&again.stdout).unwrap();
+    assert_eq!(v["tokens"], w["tokens"]);
+    // Text prompts go through the tokenizer; sampling with a seed is reproducible.
+    let args = ["generate", "-m", &demo(), "--prompt", "The expert", "-n", "5", "--seed", "7", "--temperature", "1", "--ignore-eos", "--json"];
+    let a: serde_json::Value = serde_json::from_slice(&smoe(&args).stdout).unwrap();
+    let b: serde_json::Value = serde_json::from_slice(&smoe(&args).stdout).unwrap();
+    assert_eq!(a["tokens"], b["tokens"]);
+    assert_eq!(a["tokens"].as_array().unwrap().len(), 5);
+}
+
+#[test]
+fn logprobs_json_shape() {
+    let out = smoe(&["logprobs", "-m", &demo(), "--prompt-ids", "1,2,3,4,5", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let lp: Vec<f64> = v["logprobs"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+    assert_eq!(lp.len(), 4);
+    assert_eq!(v["argmax"].as_array().unwrap().len(), 5);
+    assert!(lp.iter().all(|x| *x <= 0.0));
+    let nll = -lp.iter().sum::<f64>() / 4.0;
+    assert!((v["nll"].as_f64().unwrap() - nll).abs() < 1e-4);
+}
+
+#[test]
+fn bad_input_gives_one_line_errors() {
+    let m = demo();
+    assert_one_line_error(&smoe(&["generate", "-m", "/nonexistent.smoe", "--prompt-ids", "1"]), "no such file");
+    assert_one_line_error(&smoe(&["generate", "-m", &m, "--prompt-ids", "1,x"]), "'x' is not a token id");
+    assert_one_line_error(&smoe(&["generate", "-m", &m, "--prompt-ids", "1,99999"]), "out of range");
+    assert_one_line_error(&smoe(&["logprobs", "-m", &m, "--prompt-ids", ",", "--json"]), "no token ids");
+    assert_one_line_error(&smoe(&["generate", "-m", &m, "--prompt-ids", "1", "--backend", "gpu"]), "GPU");
+    assert_one_line_error(&smoe(&["generate", "-m", &m, "--prompt-ids", "1", "--top-p", "0"]), "top_p");
+    assert_one_line_error(&smoe(&["generate", "-m", &m, "--prompt-ids", "1,2,3", "--ctx", "2"]), "--ctx");
+    // Not a vault.
+    let d = tmp("notvault");
+    let f = d.join("x.smoe");
+    std::fs::write(&f, vec![7u8; 100]).unwrap();
+    assert_one_line_error(&smoe(&["inspect", f.to_str().unwrap()]), "not a .smoe file");
+    // A vault cut short.
+    let bytes = std::fs::read(&m).unwrap();
+    std::fs::write(&f, &bytes[..bytes.len() / 2]).unwrap();
+    assert_one_line_error(&smoe(&["generate", "-m", f.to_str().unwrap(), "--prompt-ids", "1"]), "truncated");
+    // Clap's own usage errors also exit non-zero.
+    assert!(!smoe(&["generate", "-m", &m]).status.success());
+}
+
+#[test]
+fn inspect_lists_tensors_and_verifies() {
+    let out = smoe(&["inspect", &demo(), "--verify"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(s.contains("model.layers.0.self_attn.q_proj.weight"));
+    assert!(s.contains("expert blobs"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("all checksums match"));
+}
+
+/// A copy of the tiny-tied fixture checkpoint whose config.json is edited by `edit`.
+fn broken_checkpoint(name: &str, edit: impl FnOnce(&mut serde_json::Value)) -> PathBuf {
+    let src = smoe_fixtures::checkpoint("tiny-tied").unwrap();
+    let d = tmp(name);
+    for e in std::fs::read_dir(&src).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), d.join(e.file_name())).unwrap();
+    }
+    let cfg_path = d.join("config.json");
+    let mut cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
+    edit(&mut cfg);
+    std::fs::write(&cfg_path, serde_json::to_vec(&cfg).unwrap()).unwrap();
+    d
+}
+
+fn convert(dir: &Path) -> Output {
+    let out = dir.join("out.smoe");
+    smoe(&["convert", dir.to_str().unwrap(), "-o", out.to_str().unwrap(), "--quant", "q4"])
+}
+
+#[test]
+fn convert_reports_bad_checkpoints() {
+    let d = broken_checkpoint("missing", |c| c["num_hidden_layers"] = 4.into());
+    assert_one_line_error(&convert(&d), "missing, e.g. model.layers.3");
+    let d = broken_checkpoint("extra", |c| c["num_hidden_layers"] = 2.into());
+    assert_one_line_error(&convert(&d), "unexpected tensor");
+    let d = broken_checkpoint("shape", |c| c["moe_intermediate_size"] = 192.into());
+    assert_one_line_error(&convert(&d), "expected [192, 192]");
+    let d = broken_checkpoint("arch", |c| {
+        c["architectures"] = serde_json::json!(["LlamaForCausalLM"]);
+        c["model_type"] = "llama".into();
+    });
+    assert_one_line_error(&convert(&d), "architecture 'LlamaForCausalLM' is not supported");
+    let d = broken_checkpoint("dim", |c| c["hidden_size"] = 200.into());
+    assert_one_line_error(&convert(&d), "not a multiple of 64");
+    let d = broken_checkpoint("trunc", |_| {});
+    let st = d.join("model.safetensors");
+    let bytes = std::fs::read(&st).unwrap();
+    std::fs::write(&st, &bytes[..bytes.len() - 1000]).unwrap();
+    assert_one_line_error(&convert(&d), "truncated");
+    assert!(!d.join("out.smoe").exists() && !d.join("out.smoe.partial").exists());
+    assert_one_line_error(&smoe(&["convert", "/nonexistent-dir", "-o", "/tmp/x.smoe"]), "not a directory");
+}
+
+#[test]
+fn convert_then_generate_round_trip() {
+    let src = smoe_fixtures::checkpoint("tiny-tied").unwrap();
+    let d = tmp("roundtrip");
+    let out = d.join("m.smoe");
+    let o = out.to_str().unwrap();
+    let r = smoe(&["convert", src.to_str().unwrap(), "-o", o, "--quant", "q2", "--scout", "q8"]);
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    // Refuses to overwrite without --force.
+    assert_one_line_error(&smoe(&["convert", src.to_str().unwrap(), "-o", o]), "--force");
+    let g = smoe(&["generate", "-m", o, "--prompt", "hello", "-n", "4", "--json"]);
+    assert!(g.status.success(), "{}", String::from_utf8_lossy(&g.stderr));
+}
+
+/// A full disk, for real: a 1 MiB tmpfs (needs root, as CI has; elsewhere it says so).
+#[test]
+fn convert_reports_a_full_disk() {
+    let src = smoe_fixtures::checkpoint("tiny-tied").unwrap();
+    let d = tmp("fulldisk");
+    let mounted = Command::new("mount").args(["-t", "tmpfs", "-o", "size=1m", "tmpfs", d.to_str().unwrap()]).output();
+    if !matches!(&mounted, Ok(o) if o.status.success()) {
+        eprintln!("skipped: cannot mount a small tmpfs here (not root?); the writer's ENOSPC mapping is tested in smoe-vault");
+        return;
+    }
+    let out = d.join("m.smoe");
+    let r = smoe(&["convert", src.to_str().unwrap(), "-o", out.to_str().unwrap(), "--quant", "bf16"]);
+    let _ = Command::new("umount").arg(&d).status();
+    assert_one_line_error(&r, "disk full");
+}
