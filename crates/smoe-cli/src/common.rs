@@ -3,7 +3,7 @@
 use anyhow::{bail, Context, Result};
 use smoe_engine::engine::EngineOptions;
 use smoe_engine::Engine;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Backend {
@@ -17,7 +17,9 @@ pub enum Backend {
 pub fn check_backend(b: Backend) -> Result<()> {
     match b {
         Backend::Cpu => Ok(()),
-        Backend::Gpu => bail!("--backend gpu: this build of smoe has no GPU backend yet; use --backend cpu"),
+        Backend::Gpu => {
+            bail!("--backend gpu: this build of smoe has no GPU backend yet; use --backend cpu")
+        }
         Backend::Auto => {
             tracing::info!("backend auto: using the CPU (no GPU backend in this build)");
             Ok(())
@@ -25,12 +27,44 @@ pub fn check_backend(b: Backend) -> Result<()> {
     }
 }
 
+/// The demo model (docs/demo-model.md), built into the binary so `smoe generate` works anywhere
+/// without a download.
+static DEMO_VAULT: &[u8] = include_bytes!("../../../models/demo-qwen3-moe.smoe");
+
+/// `-m PATH`, or the built-in demo model, written once to the user's cache directory (vaults are
+/// memory-mapped, so they must live in a file).
+pub fn model_path(arg: Option<&Path>) -> Result<PathBuf> {
+    if let Some(p) = arg {
+        return Ok(p.to_path_buf());
+    }
+    let sum = smoe_vault::format::checksum(DEMO_VAULT);
+    let dir = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir)
+        .join("smoe");
+    let path = dir.join(format!("demo-qwen3-moe-{sum:016x}.smoe"));
+    if std::fs::metadata(&path)
+        .map(|m| m.len() == DEMO_VAULT.len() as u64)
+        .unwrap_or(false)
+    {
+        return Ok(path);
+    }
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let tmp = dir.join(format!(".demo-{}.partial", std::process::id()));
+    std::fs::write(&tmp, DEMO_VAULT).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, &path).with_context(|| format!("cannot write {}", path.display()))?;
+    tracing::info!("built-in demo model written to {}", path.display());
+    Ok(path)
+}
+
 pub fn open_engine(path: &Path, backend: Backend) -> Result<Engine> {
     check_backend(backend)?;
     if !path.exists() {
         bail!("{}: no such file", path.display());
     }
-    Engine::open(path, EngineOptions::default()).with_context(|| format!("cannot load {}", path.display()))
+    Engine::open(path, EngineOptions::default())
+        .with_context(|| format!("cannot load {}", path.display()))
 }
 
 /// Parses `1,2,3` (spaces allowed).
@@ -39,7 +73,10 @@ pub fn parse_ids(s: &str) -> Result<Vec<u32>> {
         .split(',')
         .map(str::trim)
         .filter(|x| !x.is_empty())
-        .map(|x| x.parse::<u32>().with_context(|| format!("--prompt-ids: '{x}' is not a token id")))
+        .map(|x| {
+            x.parse::<u32>()
+                .with_context(|| format!("--prompt-ids: '{x}' is not a token id"))
+        })
         .collect::<Result<_>>()?;
     if ids.is_empty() {
         bail!("--prompt-ids: no token ids given");
@@ -55,7 +92,11 @@ pub fn init_logging(verbose: u8) {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).init();
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
 }
 
 pub fn progress_bar(len: u64, what: &str) -> indicatif::ProgressBar {

@@ -6,7 +6,11 @@ mod common;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "smoe", version, about = "Run Mixture-of-Experts language models that are larger than memory")]
+#[command(
+    name = "smoe",
+    version,
+    about = "Run Mixture-of-Experts language models that are larger than memory"
+)]
 struct Cli {
     /// More log output (-v info, -vv debug); RUST_LOG also works.
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
@@ -43,11 +47,17 @@ fn main() {
             .map(|s| s.to_string())
             .or_else(|| info.payload().downcast_ref::<String>().cloned())
             .unwrap_or_default();
-        let at = info.location().map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
+        let at = info
+            .location()
+            .map(|l| format!(" at {}:{}", l.file(), l.line()))
+            .unwrap_or_default();
         eprintln!("error: internal error (please report): {msg}{at}");
     }));
     if let Some(n) = cli.threads {
-        if let Err(e) = rayon::ThreadPoolBuilder::new().num_threads(n.max(1)).build_global() {
+        if let Err(e) = rayon::ThreadPoolBuilder::new()
+            .num_threads(n.max(1))
+            .build_global()
+        {
             eprintln!("error: --threads: {e}");
             std::process::exit(2);
         }

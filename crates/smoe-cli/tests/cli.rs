@@ -5,7 +5,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 fn smoe(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_smoe")).args(args).output().expect("run smoe")
+    Command::new(env!("CARGO_BIN_EXE_smoe"))
+        .args(args)
+        .output()
+        .expect("run smoe")
 }
 
 fn root() -> PathBuf {
@@ -13,14 +16,20 @@ fn root() -> PathBuf {
 }
 
 fn demo() -> String {
-    root().join("models/tiny-qwen3-moe.smoe").to_string_lossy().into_owned()
+    root()
+        .join("models/demo-qwen3-moe.smoe")
+        .to_string_lossy()
+        .into_owned()
 }
 
 /// Fails unless the command failed with exactly one line on stderr starting with `error:`, and
 /// that line contains `needle`.
 fn assert_one_line_error(out: &Output, needle: &str) {
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "expected failure, got success; stderr: {err}");
+    assert!(
+        !out.status.success(),
+        "expected failure, got success; stderr: {err}"
+    );
     let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
     let last = lines.last().copied().unwrap_or("");
     assert!(last.starts_with("error:"), "stderr: {err}");
@@ -37,27 +46,78 @@ fn tmp(name: &str) -> PathBuf {
 
 #[test]
 fn every_command_has_help() {
-    for cmd in [vec!["--help"], vec!["convert", "--help"], vec!["generate", "--help"], vec!["logprobs", "--help"],
-                vec!["perplexity", "--help"], vec!["inspect", "--help"]] {
+    for cmd in [
+        vec!["--help"],
+        vec!["convert", "--help"],
+        vec!["generate", "--help"],
+        vec!["logprobs", "--help"],
+        vec!["perplexity", "--help"],
+        vec!["inspect", "--help"],
+    ] {
         let out = smoe(&cmd);
         assert!(out.status.success(), "{cmd:?}");
-        assert!(String::from_utf8_lossy(&out.stdout).contains("Usage"), "{cmd:?}");
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains("Usage"),
+            "{cmd:?}"
+        );
     }
 }
 
 #[test]
 fn generate_json_has_tokens_and_text() {
-    let out = smoe(&["generate", "-m", &demo(), "--prompt-ids", "5,6,7", "-n", "6", "--temperature", "0", "--ignore-eos", "--json"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = smoe(&[
+        "generate",
+        "-m",
+        &demo(),
+        "--prompt-ids",
+        "5,6,7",
+        "-n",
+        "6",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["tokens"].as_array().unwrap().len(), 6);
     assert!(v["text"].is_string());
     // Greedy is deterministic.
-    let again = smoe(&["generate", "-m", &demo(), "--prompt-ids", "5,6,7", "-n", "6", "--temperature", "0", "--ignore-eos", "--json"]);
+    let again = smoe(&[
+        "generate",
+        "-m",
+        &demo(),
+        "--prompt-ids",
+        "5,6,7",
+        "-n",
+        "6",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--json",
+    ]);
     let w: serde_json::Value = serde_json::from_slice(&again.stdout).unwrap();
     assert_eq!(v["tokens"], w["tokens"]);
     // Text prompts go through the tokenizer; sampling with a seed is reproducible.
-    let args = ["generate", "-m", &demo(), "--prompt", "The expert", "-n", "5", "--seed", "7", "--temperature", "1", "--ignore-eos", "--json"];
+    let args = [
+        "generate",
+        "-m",
+        &demo(),
+        "--prompt",
+        "The expert",
+        "-n",
+        "5",
+        "--seed",
+        "7",
+        "--temperature",
+        "1",
+        "--ignore-eos",
+        "--json",
+    ];
     let a: serde_json::Value = serde_json::from_slice(&smoe(&args).stdout).unwrap();
     let b: serde_json::Value = serde_json::from_slice(&smoe(&args).stdout).unwrap();
     assert_eq!(a["tokens"], b["tokens"]);
@@ -65,11 +125,71 @@ fn generate_json_has_tokens_and_text() {
 }
 
 #[test]
+fn the_built_in_demo_model_is_the_default() {
+    let cache = tmp("cache");
+    let run = || {
+        Command::new(env!("CARGO_BIN_EXE_smoe"))
+            .args([
+                "generate",
+                "--prompt",
+                "The Python interpreter",
+                "-n",
+                "12",
+                "--temperature",
+                "0",
+                "--json",
+            ])
+            .env("XDG_CACHE_HOME", &cache)
+            .output()
+            .unwrap()
+    };
+    let (a, b) = (run(), run());
+    assert!(a.status.success(), "{}", String::from_utf8_lossy(&a.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&a.stdout).unwrap();
+    let w: serde_json::Value = serde_json::from_slice(&b.stdout).unwrap();
+    assert_eq!(v["tokens"], w["tokens"]);
+    let text = v["text"].as_str().unwrap();
+    // A trained model writes words, not noise.
+    assert!(text.split_whitespace().count() >= 4, "{text:?}");
+    // The same tokens as naming the committed vault explicitly.
+    let explicit = smoe(&[
+        "generate",
+        "-m",
+        &demo(),
+        "--prompt",
+        "The Python interpreter",
+        "-n",
+        "12",
+        "--temperature",
+        "0",
+        "--json",
+    ]);
+    let x: serde_json::Value = serde_json::from_slice(&explicit.stdout).unwrap();
+    assert_eq!(v["tokens"], x["tokens"]);
+}
+
+#[test]
 fn logprobs_json_shape() {
-    let out = smoe(&["logprobs", "-m", &demo(), "--prompt-ids", "1,2,3,4,5", "--json"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = smoe(&[
+        "logprobs",
+        "-m",
+        &demo(),
+        "--prompt-ids",
+        "1,2,3,4,5",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let lp: Vec<f64> = v["logprobs"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+    let lp: Vec<f64> = v["logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect();
     assert_eq!(lp.len(), 4);
     assert_eq!(v["argmax"].as_array().unwrap().len(), 5);
     assert!(lp.iter().all(|x| *x <= 0.0));
@@ -80,13 +200,42 @@ fn logprobs_json_shape() {
 #[test]
 fn bad_input_gives_one_line_errors() {
     let m = demo();
-    assert_one_line_error(&smoe(&["generate", "-m", "/nonexistent.smoe", "--prompt-ids", "1"]), "no such file");
-    assert_one_line_error(&smoe(&["generate", "-m", &m, "--prompt-ids", "1,x"]), "'x' is not a token id");
-    assert_one_line_error(&smoe(&["generate", "-m", &m, "--prompt-ids", "1,99999"]), "out of range");
-    assert_one_line_error(&smoe(&["logprobs", "-m", &m, "--prompt-ids", ",", "--json"]), "no token ids");
-    assert_one_line_error(&smoe(&["generate", "-m", &m, "--prompt-ids", "1", "--backend", "gpu"]), "GPU");
-    assert_one_line_error(&smoe(&["generate", "-m", &m, "--prompt-ids", "1", "--top-p", "0"]), "top_p");
-    assert_one_line_error(&smoe(&["generate", "-m", &m, "--prompt-ids", "1,2,3", "--ctx", "2"]), "--ctx");
+    assert_one_line_error(
+        &smoe(&["generate", "-m", "/nonexistent.smoe", "--prompt-ids", "1"]),
+        "no such file",
+    );
+    assert_one_line_error(
+        &smoe(&["generate", "-m", &m, "--prompt-ids", "1,x"]),
+        "'x' is not a token id",
+    );
+    assert_one_line_error(
+        &smoe(&["generate", "-m", &m, "--prompt-ids", "1,99999"]),
+        "out of range",
+    );
+    assert_one_line_error(
+        &smoe(&["logprobs", "-m", &m, "--prompt-ids", ",", "--json"]),
+        "no token ids",
+    );
+    assert_one_line_error(
+        &smoe(&[
+            "generate",
+            "-m",
+            &m,
+            "--prompt-ids",
+            "1",
+            "--backend",
+            "gpu",
+        ]),
+        "GPU",
+    );
+    assert_one_line_error(
+        &smoe(&["generate", "-m", &m, "--prompt-ids", "1", "--top-p", "0"]),
+        "top_p",
+    );
+    assert_one_line_error(
+        &smoe(&["generate", "-m", &m, "--prompt-ids", "1,2,3", "--ctx", "2"]),
+        "--ctx",
+    );
     // Not a vault.
     let d = tmp("notvault");
     let f = d.join("x.smoe");
@@ -95,7 +244,10 @@ fn bad_input_gives_one_line_errors() {
     // A vault cut short.
     let bytes = std::fs::read(&m).unwrap();
     std::fs::write(&f, &bytes[..bytes.len() / 2]).unwrap();
-    assert_one_line_error(&smoe(&["generate", "-m", f.to_str().unwrap(), "--prompt-ids", "1"]), "truncated");
+    assert_one_line_error(
+        &smoe(&["generate", "-m", f.to_str().unwrap(), "--prompt-ids", "1"]),
+        "truncated",
+    );
     // Clap's own usage errors also exit non-zero.
     assert!(!smoe(&["generate", "-m", &m]).status.success());
 }
@@ -103,7 +255,11 @@ fn bad_input_gives_one_line_errors() {
 #[test]
 fn inspect_lists_tensors_and_verifies() {
     let out = smoe(&["inspect", &demo(), "--verify"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let s = String::from_utf8_lossy(&out.stdout);
     assert!(s.contains("model.layers.0.self_attn.q_proj.weight"));
     assert!(s.contains("expert blobs"));
@@ -119,7 +275,8 @@ fn broken_checkpoint(name: &str, edit: impl FnOnce(&mut serde_json::Value)) -> P
         std::fs::copy(e.path(), d.join(e.file_name())).unwrap();
     }
     let cfg_path = d.join("config.json");
-    let mut cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&cfg_path).unwrap()).unwrap();
     edit(&mut cfg);
     std::fs::write(&cfg_path, serde_json::to_vec(&cfg).unwrap()).unwrap();
     d
@@ -127,7 +284,14 @@ fn broken_checkpoint(name: &str, edit: impl FnOnce(&mut serde_json::Value)) -> P
 
 fn convert(dir: &Path) -> Output {
     let out = dir.join("out.smoe");
-    smoe(&["convert", dir.to_str().unwrap(), "-o", out.to_str().unwrap(), "--quant", "q4"])
+    smoe(&[
+        "convert",
+        dir.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "--quant",
+        "q4",
+    ])
 }
 
 #[test]
@@ -142,7 +306,10 @@ fn convert_reports_bad_checkpoints() {
         c["architectures"] = serde_json::json!(["LlamaForCausalLM"]);
         c["model_type"] = "llama".into();
     });
-    assert_one_line_error(&convert(&d), "architecture 'LlamaForCausalLM' is not supported");
+    assert_one_line_error(
+        &convert(&d),
+        "architecture 'LlamaForCausalLM' is not supported",
+    );
     let d = broken_checkpoint("dim", |c| c["hidden_size"] = 200.into());
     assert_one_line_error(&convert(&d), "not a multiple of 64");
     let d = broken_checkpoint("trunc", |_| {});
@@ -151,7 +318,10 @@ fn convert_reports_bad_checkpoints() {
     std::fs::write(&st, &bytes[..bytes.len() - 1000]).unwrap();
     assert_one_line_error(&convert(&d), "truncated");
     assert!(!d.join("out.smoe").exists() && !d.join("out.smoe.partial").exists());
-    assert_one_line_error(&smoe(&["convert", "/nonexistent-dir", "-o", "/tmp/x.smoe"]), "not a directory");
+    assert_one_line_error(
+        &smoe(&["convert", "/nonexistent-dir", "-o", "/tmp/x.smoe"]),
+        "not a directory",
+    );
 }
 
 #[test]
@@ -160,11 +330,25 @@ fn convert_then_generate_round_trip() {
     let d = tmp("roundtrip");
     let out = d.join("m.smoe");
     let o = out.to_str().unwrap();
-    let r = smoe(&["convert", src.to_str().unwrap(), "-o", o, "--quant", "q2", "--scout", "q8"]);
+    let r = smoe(&[
+        "convert",
+        src.to_str().unwrap(),
+        "-o",
+        o,
+        "--quant",
+        "q2",
+        "--scout",
+        "q8",
+    ]);
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
     // Refuses to overwrite without --force.
-    assert_one_line_error(&smoe(&["convert", src.to_str().unwrap(), "-o", o]), "--force");
-    let g = smoe(&["generate", "-m", o, "--prompt", "hello", "-n", "4", "--json"]);
+    assert_one_line_error(
+        &smoe(&["convert", src.to_str().unwrap(), "-o", o]),
+        "--force",
+    );
+    let g = smoe(&[
+        "generate", "-m", o, "--prompt", "hello", "-n", "4", "--json",
+    ]);
     assert!(g.status.success(), "{}", String::from_utf8_lossy(&g.stderr));
 }
 
@@ -173,13 +357,53 @@ fn convert_then_generate_round_trip() {
 fn convert_reports_a_full_disk() {
     let src = smoe_fixtures::checkpoint("tiny-tied").unwrap();
     let d = tmp("fulldisk");
-    let mounted = Command::new("mount").args(["-t", "tmpfs", "-o", "size=1m", "tmpfs", d.to_str().unwrap()]).output();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs", d.to_str().unwrap()])
+        .output();
     if !matches!(&mounted, Ok(o) if o.status.success()) {
         eprintln!("skipped: cannot mount a small tmpfs here (not root?); the writer's ENOSPC mapping is tested in smoe-vault");
         return;
     }
     let out = d.join("m.smoe");
-    let r = smoe(&["convert", src.to_str().unwrap(), "-o", out.to_str().unwrap(), "--quant", "bf16"]);
+    let r = smoe(&[
+        "convert",
+        src.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "--quant",
+        "bf16",
+    ]);
     let _ = Command::new("umount").arg(&d).status();
     assert_one_line_error(&r, "disk full");
+}
+
+/// The shipped demo model keeps its quality: held-out perplexity within 1 % of the value recorded
+/// in docs/demo-model.md (38.9738 for the q4-experts/q8-scout vault, ctx 512).
+#[test]
+fn demo_model_heldout_perplexity_holds() {
+    const RECORDED: f64 = 38.9738;
+    let slice = root().join("tests/fixtures/demo/heldout.txt");
+    let out = smoe(&[
+        "perplexity",
+        "-m",
+        &demo(),
+        "--file",
+        slice.to_str().unwrap(),
+        "--ctx",
+        "512",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let ppl = v["perplexity"].as_f64().unwrap();
+    eprintln!("demo held-out perplexity {ppl:.4} (recorded {RECORDED})");
+    assert!(
+        ppl <= RECORDED * 1.01,
+        "perplexity {ppl} exceeds {RECORDED} + 1 %"
+    );
+    assert!(ppl > 1.0 && v["tokens"].as_u64().unwrap() > 9000);
 }

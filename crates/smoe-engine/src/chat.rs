@@ -633,10 +633,11 @@ mod tests {
 
     #[test]
     fn tojson_matches_python_json_dumps() {
+        // Keys keep insertion order, as Python's dicts (and so HF's prompts) do.
         let v = json!({"v": {"a": [1, 2.5, true, null], "s": "é<&>\"\n", "e": {}, "l": []}});
         assert_eq!(
             render("{{ v | tojson }}", v.clone()).unwrap(),
-            r#"{"a": [1, 2.5, true, null], "e": {}, "l": [], "s": "é<&>\"\n"}"#
+            r#"{"a": [1, 2.5, true, null], "s": "é<&>\"\n", "e": {}, "l": []}"#
         );
         assert_eq!(
             render("{{ v.a | tojson(indent=2) }}", v.clone()).unwrap(),

@@ -21,7 +21,10 @@ pub struct EngineOptions {
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { verify: true, prefill_chunk: 256 }
+        EngineOptions {
+            verify: true,
+            prefill_chunk: 256,
+        }
     }
 }
 
@@ -43,20 +46,36 @@ impl Engine {
         }
         let model = Model::load(&vault)?;
         let text = &vault.header.text;
-        let tokenizer = text.tokenizer_json.as_deref().map(Tokenizer::from_json).transpose()?;
+        let tokenizer = text
+            .tokenizer_json
+            .as_deref()
+            .map(Tokenizer::from_json)
+            .transpose()?;
         let template = text
             .chat_template
             .as_deref()
             .map(|t| ChatTemplate::new(t, text.bos_token.clone(), text.eos_token.clone()))
             .transpose()?;
         let generation = vault.header.generation.clone();
-        Ok(Engine { vault, model, tokenizer, template, generation, opts })
+        Ok(Engine {
+            vault,
+            model,
+            tokenizer,
+            template,
+            generation,
+            opts,
+        })
     }
 
     /// A fresh sequence with room for `ctx` positions (capped at the model's maximum).
     pub fn session(&self, ctx: usize) -> Session<'_> {
         let ctx = ctx.min(self.model.config().max_position_embeddings).max(1);
-        Session { engine: self, kv: self.model.new_cache(ctx), scratch: Scratch::default(), tokens: vec![] }
+        Session {
+            engine: self,
+            kv: self.model.new_cache(ctx),
+            scratch: Scratch::default(),
+            tokens: vec![],
+        }
     }
 
     pub fn tokenizer(&self) -> Result<&Tokenizer, EngineError> {
@@ -87,19 +106,28 @@ impl Engine {
         }
         let mut s = self.session(ids.len());
         if s.kv.capacity() < ids.len() {
-            return Err(EngineError::ContextFull { needed: ids.len(), capacity: s.kv.capacity() });
+            return Err(EngineError::ContextFull {
+                needed: ids.len(),
+                capacity: s.kv.capacity(),
+            });
         }
         let logits = s.feed(ids, Logits::All)?;
         let vocab = self.model.config().vocab_size;
         let rows: Vec<&[f32]> = logits.chunks_exact(vocab).collect();
         let argmax = rows.iter().map(|r| argmax(r)).collect();
-        let logprobs: Vec<f32> = (0..ids.len() - 1).map(|i| log_softmax_at(rows[i], ids[i + 1])).collect();
+        let logprobs: Vec<f32> = (0..ids.len() - 1)
+            .map(|i| log_softmax_at(rows[i], ids[i + 1]))
+            .collect();
         let nll = if logprobs.is_empty() {
             0.0
         } else {
             -logprobs.iter().map(|&x| x as f64).sum::<f64>() / logprobs.len() as f64
         };
-        Ok(LogprobsResult { logprobs, argmax, nll })
+        Ok(LogprobsResult {
+            logprobs,
+            argmax,
+            nll,
+        })
     }
 }
 
@@ -176,7 +204,11 @@ impl<'e> Session<'e> {
                 Logits::Last if i + 1 == n_chunks => Logits::Last,
                 _ => Logits::None,
             };
-            out.extend(self.engine.model.forward(&mut self.kv, part, w, &mut self.scratch)?);
+            out.extend(
+                self.engine
+                    .model
+                    .forward(&mut self.kv, part, w, &mut self.scratch)?,
+            );
             self.tokens.extend_from_slice(part);
         }
         Ok(out)
@@ -237,7 +269,11 @@ impl<'e> Session<'e> {
             if finish != FinishReason::Stop || stops.stopped().is_none() {
                 let rest = d.finish()?;
                 let out = stops.push(&rest);
-                let tail = if out.stopped.is_some() { out.text } else { out.text + &stops.finish() };
+                let tail = if out.stopped.is_some() {
+                    out.text
+                } else {
+                    out.text + &stops.finish()
+                };
                 t.push_str(&tail);
                 on_text(&tail);
             }

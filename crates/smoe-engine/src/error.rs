@@ -4,7 +4,9 @@
 pub enum EngineError {
     #[error(transparent)]
     Vault(#[from] smoe_vault::VaultError),
-    #[error("the context is full: {needed} positions needed, the cache holds {capacity} (raise --ctx)")]
+    #[error(
+        "the context is full: {needed} positions needed, the cache holds {capacity} (raise --ctx)"
+    )]
     ContextFull { needed: usize, capacity: usize },
     #[error("token id {id} is out of range (the vocabulary has {vocab} entries)")]
     TokenOutOfRange { id: u32, vocab: usize },

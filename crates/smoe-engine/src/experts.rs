@@ -40,22 +40,33 @@ impl ExpertStore {
         for l in cfg.moe_layers() {
             for e in 0..n_experts {
                 if index[l * n_experts + e].is_none() {
-                    return Err(VaultError::Tensor(format!("vault has no blob for layer {l} expert {e}")));
+                    return Err(VaultError::Tensor(format!(
+                        "vault has no blob for layer {l} expert {e}"
+                    )));
                 }
             }
         }
         for name in ["gate_proj", "up_proj", "down_proj"] {
             if cfg.moe_layers().next().is_some() && !parts.iter().any(|p| p.name == name) {
-                return Err(VaultError::Tensor(format!("vault expert layout lacks {name}")));
+                return Err(VaultError::Tensor(format!(
+                    "vault expert layout lacks {name}"
+                )));
             }
         }
         let verified = (0..blobs.len()).map(|_| AtomicBool::new(false)).collect();
-        Ok(ExpertStore { vault: vault.clone(), parts, n_experts, index, verified })
+        Ok(ExpertStore {
+            vault: vault.clone(),
+            parts,
+            n_experts,
+            index,
+            verified,
+        })
     }
 
     pub fn get(&self, layer: usize, expert: usize) -> Result<Expert<'_>, VaultError> {
-        let i = self.index[layer * self.n_experts + expert]
-            .ok_or_else(|| VaultError::Tensor(format!("no expert blob for layer {layer} expert {expert}")))?;
+        let i = self.index[layer * self.n_experts + expert].ok_or_else(|| {
+            VaultError::Tensor(format!("no expert blob for layer {layer} expert {expert}"))
+        })?;
         let blob = &self.vault.expert_section().unwrap().blobs[i];
         let bytes = self.vault.expert_bytes_mapped(blob);
         if !self.verified[i].load(Ordering::Relaxed) {
@@ -67,6 +78,10 @@ impl ExpertStore {
             let b = &bytes[p.offset as usize..(p.offset + p.length) as usize];
             QMatRef::new(p.dtype, p.shape[0], p.shape[1], b)
         };
-        Ok(Expert { gate: part("gate_proj"), up: part("up_proj"), down: part("down_proj") })
+        Ok(Expert {
+            gate: part("gate_proj"),
+            up: part("up_proj"),
+            down: part("down_proj"),
+        })
     }
 }

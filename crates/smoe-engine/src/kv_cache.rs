@@ -15,8 +15,12 @@ pub struct KvCache {
 impl KvCache {
     pub fn new(layers: usize, kv_width: usize, capacity: usize) -> Self {
         KvCache {
-            k: (0..layers).map(|_| vec![0.0; capacity * kv_width]).collect(),
-            v: (0..layers).map(|_| vec![0.0; capacity * kv_width]).collect(),
+            k: (0..layers)
+                .map(|_| vec![0.0; capacity * kv_width])
+                .collect(),
+            v: (0..layers)
+                .map(|_| vec![0.0; capacity * kv_width])
+                .collect(),
             kv_width,
             capacity,
             len: 0,
@@ -30,7 +34,10 @@ impl KvCache {
     /// Fails, rather than overwriting, when `n` more positions do not fit.
     pub fn check_room(&self, n: usize) -> Result<(), EngineError> {
         if self.len + n > self.capacity {
-            return Err(EngineError::ContextFull { needed: self.len + n, capacity: self.capacity });
+            return Err(EngineError::ContextFull {
+                needed: self.len + n,
+                capacity: self.capacity,
+            });
         }
         Ok(())
     }

@@ -15,14 +15,25 @@ impl RopeTable {
         let dim = head_dim;
         let half = dim / 2;
         let base = rope.theta;
-        let pos_freqs: Vec<f32> = (0..half).map(|i| base.powf((2 * i) as f64 / dim as f64) as f32).collect();
+        let pos_freqs: Vec<f32> = (0..half)
+            .map(|i| base.powf((2 * i) as f64 / dim as f64) as f32)
+            .collect();
         let extrapolation: Vec<f32> = pos_freqs.iter().map(|p| 1.0 / p).collect();
         let Some(y) = &rope.yarn else {
-            return RopeTable { half, inv_freq: extrapolation, scale: 1.0 };
+            return RopeTable {
+                half,
+                inv_freq: extrapolation,
+                scale: 1.0,
+            };
         };
-        let interpolation: Vec<f32> = pos_freqs.iter().map(|p| 1.0 / (y.factor as f32 * p)).collect();
+        let interpolation: Vec<f32> = pos_freqs
+            .iter()
+            .map(|p| 1.0 / (y.factor as f32 * p))
+            .collect();
         let correction_dim = |rot: f64| {
-            dim as f64 * (y.original_max_position_embeddings as f64 / (rot * 2.0 * std::f64::consts::PI)).ln()
+            dim as f64
+                * (y.original_max_position_embeddings as f64 / (rot * 2.0 * std::f64::consts::PI))
+                    .ln()
                 / (2.0 * base.ln())
         };
         let (mut low, mut high) = (correction_dim(y.beta_fast), correction_dim(y.beta_slow));
@@ -42,7 +53,11 @@ impl RopeTable {
                 interpolation[i] * (1.0 - extra) + extrapolation[i] * extra
             })
             .collect();
-        RopeTable { half, inv_freq, scale: y.attention_factor as f32 }
+        RopeTable {
+            half,
+            inv_freq,
+            scale: y.attention_factor as f32,
+        }
     }
 
     /// cos and sin (each `head_dim / 2` values) at `pos`.
@@ -66,7 +81,13 @@ mod tests {
 
     #[test]
     fn default_rope_frequencies() {
-        let t = RopeTable::new(&Rope { theta: 10000.0, yarn: None }, 4);
+        let t = RopeTable::new(
+            &Rope {
+                theta: 10000.0,
+                yarn: None,
+            },
+            4,
+        );
         assert_eq!(t.inv_freq, vec![1.0, 0.01]);
         let (mut c, mut s) = ([0.0; 2], [0.0; 2]);
         t.at(0, &mut c, &mut s);
@@ -75,10 +96,28 @@ mod tests {
 
     #[test]
     fn yarn_blends_between_interpolation_and_extrapolation() {
-        let y = Yarn { factor: 4.0, original_max_position_embeddings: 64, beta_fast: 32.0, beta_slow: 1.0,
-                       attention_factor: 1.1386, truncate: true };
-        let plain = RopeTable::new(&Rope { theta: 1e6, yarn: None }, 64);
-        let t = RopeTable::new(&Rope { theta: 1e6, yarn: Some(y) }, 64);
+        let y = Yarn {
+            factor: 4.0,
+            original_max_position_embeddings: 64,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attention_factor: 1.1386,
+            truncate: true,
+        };
+        let plain = RopeTable::new(
+            &Rope {
+                theta: 1e6,
+                yarn: None,
+            },
+            64,
+        );
+        let t = RopeTable::new(
+            &Rope {
+                theta: 1e6,
+                yarn: Some(y),
+            },
+            64,
+        );
         // High frequencies are kept, low ones divided by the factor.
         assert_eq!(t.inv_freq[0], plain.inv_freq[0]);
         assert!((t.inv_freq[31] - plain.inv_freq[31] / 4.0).abs() < 1e-12);

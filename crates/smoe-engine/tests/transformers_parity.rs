@@ -14,12 +14,30 @@ use std::path::PathBuf;
 
 const MARGIN: f64 = 0.05;
 
-fn vault(name: &str, quant: DType) -> PathBuf {
+fn vault(name: &str, quant: DType) -> TempVault {
     let ck = smoe_fixtures::checkpoint(name).expect("fixture checkpoint");
-    let out = std::env::temp_dir().join(format!("smoe-parity-{}-{name}-{quant}.smoe", std::process::id()));
-    let opts = ConvertOptions { experts: quant, scout: DType::Bf16 };
+    // Unique per call: tests run in parallel and may convert the same fixture.
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let out = std::env::temp_dir().join(format!(
+        "smoe-parity-{}-{n}-{name}-{quant}.smoe",
+        std::process::id()
+    ));
+    let opts = ConvertOptions {
+        experts: quant,
+        scout: DType::Bf16,
+    };
     convert_to_path(&ck, &out, opts, &mut |_: u64, _: &str| {}).expect("convert");
-    out
+    TempVault(out)
+}
+
+/// Removes the converted vault when dropped.
+struct TempVault(PathBuf);
+
+impl Drop for TempVault {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 struct Deviation {
@@ -31,7 +49,12 @@ struct Deviation {
 
 fn compare(engine: &Engine, name: &str) -> Deviation {
     let reference = smoe_fixtures::reference(name);
-    let mut d = Deviation { max_abs: 0.0, mean_abs: 0.0, argmax_agree: 0, argmax_total: 0 };
+    let mut d = Deviation {
+        max_abs: 0.0,
+        mean_abs: 0.0,
+        argmax_agree: 0,
+        argmax_total: 0,
+    };
     let mut n = 0;
     for p in &reference.prompts {
         let r = engine.logprobs(&p.prompt).expect("logprobs");
@@ -66,7 +89,11 @@ fn check_greedy(engine: &Engine, name: &str) {
             stop_strings: vec![],
         };
         let out = s.generate(&p.prompt, &opts, &mut |_| {}).expect("generate");
-        let firm = g.margins.iter().position(|m| *m < MARGIN).unwrap_or(g.tokens.len());
+        let firm = g
+            .margins
+            .iter()
+            .position(|m| *m < MARGIN)
+            .unwrap_or(g.tokens.len());
         assert!(firm > 0 || g.margins[0] < MARGIN);
         assert_eq!(
             &out.tokens[..firm],
@@ -74,12 +101,23 @@ fn check_greedy(engine: &Engine, name: &str) {
             "{name}: greedy tokens differ before step {firm} (prompt seed {})",
             p.seed
         );
-        eprintln!("{name} prompt {}: greedy equal for {firm}/{} firm steps", p.seed, g.tokens.len());
+        eprintln!(
+            "{name} prompt {}: greedy equal for {firm}/{} firm steps",
+            p.seed,
+            g.tokens.len()
+        );
     }
 }
 
-fn open(path: &PathBuf) -> Engine {
-    Engine::open(path, EngineOptions { verify: true, prefill_chunk: 64 }).expect("open")
+fn open(v: &TempVault) -> Engine {
+    Engine::open(
+        &v.0,
+        EngineOptions {
+            verify: true,
+            prefill_chunk: 64,
+        },
+    )
+    .expect("open")
 }
 
 #[test]
@@ -91,9 +129,19 @@ fn bf16_matches_transformers() {
             "{name} bf16: max |Δlogprob| {:.5}, mean {:.6}, argmax {}/{}",
             d.max_abs, d.mean_abs, d.argmax_agree, d.argmax_total
         );
-        assert!(d.max_abs <= 0.02, "{name}: max |Δ log-prob| {} > 0.02", d.max_abs);
-        assert_eq!(d.argmax_agree, d.argmax_total, "{name}: argmax differs at a firm position");
-        assert!(d.argmax_total > 0, "{name}: no position with a firm margin; the fixture tests nothing");
+        assert!(
+            d.max_abs <= 0.02,
+            "{name}: max |Δ log-prob| {} > 0.02",
+            d.max_abs
+        );
+        assert_eq!(
+            d.argmax_agree, d.argmax_total,
+            "{name}: argmax differs at a firm position"
+        );
+        assert!(
+            d.argmax_total > 0,
+            "{name}: no position with a firm margin; the fixture tests nothing"
+        );
         check_greedy(&engine, &name);
     }
 }
@@ -110,10 +158,27 @@ fn rope_tables_match_transformers() {
         // At position 1 the angle is the inverse frequency itself.
         for (i, f) in reference.meta.rope.inv_freq.iter().enumerate() {
             let s = reference.meta.rope.attention_scaling;
-            assert!((cos[i] as f64 - f.cos() * s).abs() < 1e-5, "{name} cos[{i}]");
-            assert!((sin[i] as f64 - f.sin() * s).abs() < 1e-5, "{name} sin[{i}]");
+            assert!(
+                (cos[i] as f64 - f.cos() * s).abs() < 1e-5,
+                "{name} cos[{i}]"
+            );
+            assert!(
+                (sin[i] as f64 - f.sin() * s).abs() < 1e-5,
+                "{name} sin[{i}]"
+            );
         }
-        let layers: Vec<String> = c.ffn.iter().map(|k| if *k == smoe_vault::FfnKind::Moe { "sparse" } else { "dense" }.to_string()).collect();
+        let layers: Vec<String> = c
+            .ffn
+            .iter()
+            .map(|k| {
+                if *k == smoe_vault::FfnKind::Moe {
+                    "sparse"
+                } else {
+                    "dense"
+                }
+                .to_string()
+            })
+            .collect();
         assert_eq!(layers, reference.meta.layers, "{name}: dense/sparse layers");
     }
 }

@@ -9,17 +9,50 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Architecture {
-    #[serde(rename = "qwen3_moe")]
     Qwen3Moe,
+    Qwen2Moe,
+    Mixtral,
+    Olmoe,
 }
 
 impl Architecture {
+    pub const ALL: [Architecture; 4] = [
+        Architecture::Qwen3Moe,
+        Architecture::Qwen2Moe,
+        Architecture::Mixtral,
+        Architecture::Olmoe,
+    ];
+
     pub fn hf_class(self) -> &'static str {
         match self {
             Architecture::Qwen3Moe => "Qwen3MoeForCausalLM",
+            Architecture::Qwen2Moe => "Qwen2MoeForCausalLM",
+            Architecture::Mixtral => "MixtralForCausalLM",
+            Architecture::Olmoe => "OlmoeForCausalLM",
         }
     }
+
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Architecture::Qwen3Moe => "qwen3_moe",
+            Architecture::Qwen2Moe => "qwen2_moe",
+            Architecture::Mixtral => "mixtral",
+            Architecture::Olmoe => "olmoe",
+        }
+    }
+}
+
+/// Where attention normalises queries and keys (after projection, before RoPE).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QkNorm {
+    None,
+    /// RMSNorm over each head's `head_dim` values (Qwen3).
+    PerHead,
+    /// RMSNorm over the whole q (or k) projection (OLMoE).
+    Full,
 }
 
 /// YaRN parameters, as transformers' `_compute_yarn_parameters` reads them.
@@ -69,6 +102,19 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
     /// Dense or MoE feed-forward, per layer (from `mlp_only_layers` and `decoder_sparse_step`).
     pub ffn: Vec<FfnKind>,
+    pub qk_norm: QkNorm,
+    /// Biases on the q, k and v projections (Qwen2-MoE).
+    #[serde(default)]
+    pub qkv_bias: bool,
+    /// Clamp q, k and v to ±clip after projection and norm (OLMoE).
+    #[serde(default)]
+    pub clip_qkv: Option<f32>,
+    /// Attend only to the last `sliding_window` positions, the current one included (Mixtral).
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
+    /// Width of the always-on shared expert, gated by a sigmoid (Qwen2-MoE); 0 = none.
+    #[serde(default)]
+    pub shared_expert_intermediate_size: usize,
 }
 
 impl ModelConfig {
@@ -81,15 +127,21 @@ impl ModelConfig {
             .map(|a| a.iter().filter_map(Value::as_str).collect())
             .unwrap_or_default();
         let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or("");
-        let architecture = if archs.contains(&"Qwen3MoeForCausalLM") || model_type == "qwen3_moe" {
-            Architecture::Qwen3Moe
-        } else {
-            let what = archs.first().copied().unwrap_or(if model_type.is_empty() { "unknown" } else { model_type });
-            return Err(VaultError::Unsupported(format!(
-                "architecture '{what}' is not supported (supported: Qwen3MoeForCausalLM)"
-            )));
-        };
-
+        let architecture = Architecture::ALL
+            .into_iter()
+            .find(|a| archs.contains(&a.hf_class()) || model_type == a.model_type())
+            .ok_or_else(|| {
+                let what = archs.first().copied().unwrap_or(if model_type.is_empty() {
+                    "unknown"
+                } else {
+                    model_type
+                });
+                let supported: Vec<&str> = Architecture::ALL.iter().map(|a| a.hf_class()).collect();
+                VaultError::Unsupported(format!(
+                    "architecture '{what}' is not supported (supported: {})",
+                    supported.join(", ")
+                ))
+            })?;
         let req = |k: &str| -> Result<usize, VaultError> {
             v.get(k)
                 .and_then(Value::as_u64)
@@ -104,13 +156,30 @@ impl ModelConfig {
         let head_dim = opt_usize("head_dim").unwrap_or(hidden_size / num_heads.max(1));
         let num_experts = opt_usize("num_experts")
             .or_else(|| opt_usize("num_local_experts"))
-            .ok_or_else(|| bad("config.json: missing 'num_experts' (or 'num_local_experts')".into()))?;
-        let decoder_sparse_step = opt_usize("decoder_sparse_step").unwrap_or(1).max(1);
-        let mlp_only: Vec<usize> = v
-            .get("mlp_only_layers")
-            .and_then(Value::as_array)
-            .map(|a| a.iter().filter_map(Value::as_u64).map(|x| x as usize).collect())
-            .unwrap_or_default();
+            .ok_or_else(|| {
+                bad("config.json: missing 'num_experts' (or 'num_local_experts')".into())
+            })?;
+        use Architecture::*;
+        // Mixtral and OLMoE have only MoE layers, whose width is `intermediate_size`.
+        let all_moe = matches!(architecture, Mixtral | Olmoe);
+        let decoder_sparse_step = if all_moe {
+            1
+        } else {
+            opt_usize("decoder_sparse_step").unwrap_or(1).max(1)
+        };
+        let mlp_only: Vec<usize> = if all_moe {
+            vec![]
+        } else {
+            v.get("mlp_only_layers")
+                .and_then(Value::as_array)
+                .map(|a| {
+                    a.iter()
+                        .filter_map(Value::as_u64)
+                        .map(|x| x as usize)
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
         let ffn = (0..num_layers)
             .map(|l| {
                 if !mlp_only.contains(&l) && num_experts > 0 && (l + 1) % decoder_sparse_step == 0 {
@@ -121,17 +190,34 @@ impl ModelConfig {
             })
             .collect();
         let max_position_embeddings = opt_usize("max_position_embeddings").unwrap_or(32768);
-        if v.get("attention_bias").and_then(Value::as_bool) == Some(true) {
-            return Err(VaultError::Unsupported("attention_bias=true is not supported for qwen3_moe".into()));
+        let flag = |k: &str| v.get(k).and_then(Value::as_bool);
+        let unsupported = |what: &str| {
+            Err(VaultError::Unsupported(format!(
+                "{what} is not supported for {}",
+                architecture.model_type()
+            )))
+        };
+        // Qwen2-MoE biases q/k/v only (`qkv_bias`, default true); `attention_bias` elsewhere
+        // would also bias o_proj, which no supported checkpoint uses.
+        let qkv_bias = architecture == Qwen2Moe && flag("qkv_bias").unwrap_or(true);
+        if architecture != Qwen2Moe && flag("attention_bias") == Some(true) {
+            return unsupported("attention_bias=true");
         }
-        if v.get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
-            return Err(VaultError::Unsupported("use_sliding_window=true is not supported for qwen3_moe".into()));
-        }
+        let sliding_window = match architecture {
+            Mixtral => opt_usize("sliding_window"),
+            _ if flag("use_sliding_window") == Some(true) => {
+                return unsupported("use_sliding_window=true")
+            }
+            _ => None,
+        };
         if let Some(act) = v.get("hidden_act").and_then(Value::as_str) {
             if act != "silu" {
-                return Err(VaultError::Unsupported(format!("hidden_act '{act}' (only silu)")));
+                return Err(VaultError::Unsupported(format!(
+                    "hidden_act '{act}' (only silu)"
+                )));
             }
         }
+        let intermediate = opt_usize("intermediate_size").unwrap_or(0);
         let cfg = ModelConfig {
             architecture,
             vocab_size: req("vocab_size")?,
@@ -140,16 +226,41 @@ impl ModelConfig {
             num_heads,
             num_kv_heads,
             head_dim,
-            intermediate_size: opt_usize("intermediate_size").unwrap_or(0),
-            moe_intermediate_size: opt_usize("moe_intermediate_size").unwrap_or(0),
+            intermediate_size: if all_moe { 0 } else { intermediate },
+            moe_intermediate_size: if all_moe {
+                intermediate
+            } else {
+                opt_usize("moe_intermediate_size").unwrap_or(0)
+            },
             num_experts,
             num_experts_per_tok: opt_usize("num_experts_per_tok").unwrap_or(0),
-            norm_topk_prob: v.get("norm_topk_prob").and_then(Value::as_bool).unwrap_or(false),
-            rms_norm_eps: v.get("rms_norm_eps").and_then(Value::as_f64).unwrap_or(1e-6),
+            // Mixtral always renormalises the top-k probabilities.
+            norm_topk_prob: architecture == Mixtral || flag("norm_topk_prob").unwrap_or(false),
+            rms_norm_eps: v
+                .get("rms_norm_eps")
+                .and_then(Value::as_f64)
+                .unwrap_or(1e-6),
             rope: parse_rope(v, max_position_embeddings)?,
             max_position_embeddings,
-            tie_word_embeddings: v.get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false),
+            tie_word_embeddings: flag("tie_word_embeddings").unwrap_or(false),
             ffn,
+            qk_norm: match architecture {
+                Qwen3Moe => QkNorm::PerHead,
+                Olmoe => QkNorm::Full,
+                Qwen2Moe | Mixtral => QkNorm::None,
+            },
+            qkv_bias,
+            clip_qkv: if architecture == Olmoe {
+                v.get("clip_qkv").and_then(Value::as_f64).map(|x| x as f32)
+            } else {
+                None
+            },
+            sliding_window,
+            shared_expert_intermediate_size: if architecture == Qwen2Moe {
+                opt_usize("shared_expert_intermediate_size").unwrap_or(0)
+            } else {
+                0
+            },
         };
         cfg.validate()?;
         Ok(cfg)
@@ -158,7 +269,8 @@ impl ModelConfig {
     /// Structural checks that the engine relies on.
     pub fn validate(&self) -> Result<(), VaultError> {
         let bad = |m: String| Err(VaultError::Config(m));
-        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
+        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0
+        {
             return bad(format!(
                 "num_attention_heads ({}) must be a positive multiple of num_key_value_heads ({})",
                 self.num_heads, self.num_kv_heads
@@ -168,7 +280,8 @@ impl ModelConfig {
             return bad(format!("head_dim {} must be even", self.head_dim));
         }
         let has_moe = self.ffn.contains(&FfnKind::Moe);
-        if has_moe && (self.num_experts_per_tok == 0 || self.num_experts_per_tok > self.num_experts) {
+        if has_moe && (self.num_experts_per_tok == 0 || self.num_experts_per_tok > self.num_experts)
+        {
             return bad(format!(
                 "num_experts_per_tok {} must be in 1..={}",
                 self.num_experts_per_tok, self.num_experts
@@ -182,9 +295,34 @@ impl ModelConfig {
         }
         for (what, d) in [
             ("hidden_size", self.hidden_size),
-            ("num_attention_heads*head_dim", self.num_heads * self.head_dim),
-            ("moe_intermediate_size", if has_moe { self.moe_intermediate_size } else { 64 }),
-            ("intermediate_size", if self.ffn.contains(&FfnKind::Dense) { self.intermediate_size } else { 64 }),
+            (
+                "num_attention_heads*head_dim",
+                self.num_heads * self.head_dim,
+            ),
+            (
+                "moe_intermediate_size",
+                if has_moe {
+                    self.moe_intermediate_size
+                } else {
+                    64
+                },
+            ),
+            (
+                "intermediate_size",
+                if self.ffn.contains(&FfnKind::Dense) {
+                    self.intermediate_size
+                } else {
+                    64
+                },
+            ),
+            (
+                "shared_expert_intermediate_size",
+                if has_moe {
+                    self.shared_expert_intermediate_size
+                } else {
+                    0
+                },
+            ),
         ] {
             if d % 64 != 0 {
                 return Err(VaultError::Unsupported(format!(
@@ -196,7 +334,11 @@ impl ModelConfig {
     }
 
     pub fn moe_layers(&self) -> impl Iterator<Item = usize> + '_ {
-        self.ffn.iter().enumerate().filter(|(_, k)| **k == FfnKind::Moe).map(|(l, _)| l)
+        self.ffn
+            .iter()
+            .enumerate()
+            .filter(|(_, k)| **k == FfnKind::Moe)
+            .map(|(l, _)| l)
     }
 }
 
@@ -212,7 +354,11 @@ fn parse_rope(v: &Value, max_pos: usize) -> Result<Rope, VaultError> {
     let Some(s) = scaling else {
         return Ok(Rope { theta, yarn: None });
     };
-    let kind = s.get("rope_type").or_else(|| s.get("type")).and_then(Value::as_str).unwrap_or("default");
+    let kind = s
+        .get("rope_type")
+        .or_else(|| s.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
     match kind {
         "default" => Ok(Rope { theta, yarn: None }),
         "yarn" => {
@@ -224,7 +370,13 @@ fn parse_rope(v: &Value, max_pos: usize) -> Result<Rope, VaultError> {
                 .map(|x| x as usize)
                 .unwrap_or(max_pos);
             let factor = f("factor").unwrap_or(max_pos as f64 / original as f64);
-            let get_mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+            let get_mscale = |scale: f64, m: f64| {
+                if scale <= 1.0 {
+                    1.0
+                } else {
+                    0.1 * m * scale.ln() + 1.0
+                }
+            };
             let attention_factor = match (f("attention_factor"), f("mscale"), f("mscale_all_dim")) {
                 (Some(a), _, _) => a,
                 (None, Some(m), Some(mad)) if m != 0.0 && mad != 0.0 => {
@@ -244,7 +396,9 @@ fn parse_rope(v: &Value, max_pos: usize) -> Result<Rope, VaultError> {
                 }),
             })
         }
-        other => Err(VaultError::Unsupported(format!("rope type '{other}' (supported: default, yarn)"))),
+        other => Err(VaultError::Unsupported(format!(
+            "rope type '{other}' (supported: default, yarn)"
+        ))),
     }
 }
 
@@ -267,12 +421,26 @@ impl GenerationDefaults {
         let ids = |v: &Value| -> Vec<u32> {
             match v {
                 Value::Number(n) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-                Value::Array(a) => a.iter().filter_map(Value::as_u64).map(|x| x as u32).collect(),
+                Value::Array(a) => a
+                    .iter()
+                    .filter_map(Value::as_u64)
+                    .map(|x| x as u32)
+                    .collect(),
                 _ => vec![],
             }
         };
-        let pick = |k: &str| generation.and_then(|g| g.get(k)).filter(|x| !x.is_null()).or_else(|| config.get(k));
-        let f = |k: &str| generation.and_then(|g| g.get(k)).and_then(Value::as_f64).map(|x| x as f32);
+        let pick = |k: &str| {
+            generation
+                .and_then(|g| g.get(k))
+                .filter(|x| !x.is_null())
+                .or_else(|| config.get(k))
+        };
+        let f = |k: &str| {
+            generation
+                .and_then(|g| g.get(k))
+                .and_then(Value::as_f64)
+                .map(|x| x as f32)
+        };
         let mut eos = pick("eos_token_id").map(ids).unwrap_or_default();
         // Some checkpoints list a different eos in each file; honour both.
         if let Some(more) = config.get("eos_token_id").map(ids) {
@@ -283,14 +451,21 @@ impl GenerationDefaults {
             }
         }
         GenerationDefaults {
-            bos_token_id: pick("bos_token_id").and_then(Value::as_u64).map(|x| x as u32),
+            bos_token_id: pick("bos_token_id")
+                .and_then(Value::as_u64)
+                .map(|x| x as u32),
             eos_token_ids: eos,
             temperature: f("temperature"),
             top_p: f("top_p"),
-            top_k: generation.and_then(|g| g.get("top_k")).and_then(Value::as_u64).map(|x| x as usize),
+            top_k: generation
+                .and_then(|g| g.get("top_k"))
+                .and_then(Value::as_u64)
+                .map(|x| x as usize),
             min_p: f("min_p"),
             repetition_penalty: f("repetition_penalty"),
-            do_sample: generation.and_then(|g| g.get("do_sample")).and_then(Value::as_bool),
+            do_sample: generation
+                .and_then(|g| g.get("do_sample"))
+                .and_then(Value::as_bool),
         }
     }
 }
@@ -313,8 +488,17 @@ mod tests {
         v["decoder_sparse_step"] = json!(2);
         v["mlp_only_layers"] = json!([3]);
         let c = ModelConfig::from_hf(&v).unwrap();
-        assert_eq!(c.ffn, vec![FfnKind::Dense, FfnKind::Moe, FfnKind::Dense, FfnKind::Dense]);
-        assert_eq!(c.rope, Rope { theta: 1e6, yarn: None });
+        assert_eq!(
+            c.ffn,
+            vec![FfnKind::Dense, FfnKind::Moe, FfnKind::Dense, FfnKind::Dense]
+        );
+        assert_eq!(
+            c.rope,
+            Rope {
+                theta: 1e6,
+                yarn: None
+            }
+        );
     }
 
     #[test]

@@ -4,7 +4,10 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum VaultError {
     #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{path}: disk full (no space left on device)")]
     DiskFull { path: PathBuf },
     #[error("{0}")]

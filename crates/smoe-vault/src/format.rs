@@ -48,7 +48,10 @@ impl Preamble {
     /// Decodes and checks the magic; the version is checked by the reader (to word the error).
     pub fn decode(b: &[u8]) -> Result<Self, String> {
         if b.len() < PREAMBLE_LEN {
-            return Err(format!("file is {} bytes, shorter than the 64-byte preamble", b.len()));
+            return Err(format!(
+                "file is {} bytes, shorter than the 64-byte preamble",
+                b.len()
+            ));
         }
         if b[0..8] != MAGIC {
             return Err("bad magic (this is not a .smoe file)".into());

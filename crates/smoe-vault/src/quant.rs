@@ -67,7 +67,9 @@ impl DType {
     /// Whether `cols` inputs can be stored in this type.
     pub fn check_cols(self, cols: usize) -> Result<(), String> {
         if self.is_quantized() && cols % GROUP != 0 {
-            return Err(format!("input dimension {cols} is not a multiple of {GROUP}"));
+            return Err(format!(
+                "input dimension {cols} is not a multiple of {GROUP}"
+            ));
         }
         Ok(())
     }
@@ -98,7 +100,11 @@ impl FromStr for DType {
             "q8" => DType::Q8,
             "q4" => DType::Q4,
             "q2" => DType::Q2,
-            other => return Err(format!("unknown quantization '{other}' (expected bf16, q8, q4 or q2)")),
+            other => {
+                return Err(format!(
+                    "unknown quantization '{other}' (expected bf16, q8, q4 or q2)"
+                ))
+            }
         })
     }
 }
@@ -135,7 +141,9 @@ pub fn quantize_row(dtype: DType, row: &[f32], out: &mut [u8]) {
             let (codes, params) = out.split_at_mut(cols / 2);
             for (g, x) in row.chunks_exact(GROUP).enumerate() {
                 // The value of largest magnitude maps exactly to code 0 (−8·d): all 16 levels used.
-                let mx = x.iter().fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
+                let mx = x
+                    .iter()
+                    .fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
                 let d = f16::from_f32(mx / -8.0);
                 put_f16(params, g, d);
                 let inv = inv_or_zero(d.to_f32());
@@ -185,7 +193,10 @@ fn fit_q2(x: &[f32]) -> (f16, f16, [u8; GROUP]) {
         }
         // Least squares for v ≈ d·c + m given the codes.
         let n = GROUP as f32;
-        let (sc, sv) = (q.iter().map(|&c| c as f32).sum::<f32>(), x.iter().sum::<f32>());
+        let (sc, sv) = (
+            q.iter().map(|&c| c as f32).sum::<f32>(),
+            x.iter().sum::<f32>(),
+        );
         let scc = q.iter().map(|&c| (c as f32) * (c as f32)).sum::<f32>();
         let scv = q.iter().zip(x).map(|(&c, &v)| c as f32 * v).sum::<f32>();
         let det = n * scc - sc * sc;
@@ -340,7 +351,10 @@ mod tests {
 
     #[test]
     fn bf16_is_lossless_for_bf16_input() {
-        let x: Vec<f32> = gaussian(640, 3).iter().map(|v| bf16::from_f32(*v).to_f32()).collect();
+        let x: Vec<f32> = gaussian(640, 3)
+            .iter()
+            .map(|v| bf16::from_f32(*v).to_f32())
+            .collect();
         let q = quantize_matrix(DType::Bf16, &x, 10, 64);
         let mut y = vec![0f32; 64];
         for r in 0..10 {

@@ -41,7 +41,11 @@ impl TensorData {
         let stride = self.entry.dtype.row_stride(cols);
         let mut out = vec![0f32; rows * cols];
         for (r, o) in out.chunks_exact_mut(cols).enumerate() {
-            crate::quant::dequantize_row(self.entry.dtype, &self.bytes()[r * stride..(r + 1) * stride], o);
+            crate::quant::dequantize_row(
+                self.entry.dtype,
+                &self.bytes()[r * stride..(r + 1) * stride],
+                o,
+            );
         }
         out
     }
@@ -49,7 +53,10 @@ impl TensorData {
 
 impl Vault {
     pub fn open(path: &Path) -> Result<Self> {
-        let fmt = |reason: String| VaultError::Format { path: path.to_path_buf(), reason };
+        let fmt = |reason: String| VaultError::Format {
+            path: path.to_path_buf(),
+            reason,
+        };
         let file = File::open(path).map_err(|e| VaultError::io(path, e))?;
         // SAFETY: the mapping is read-only; a vault modified while open is outside our contract,
         // and every region we rely on is bounds- and checksum-checked.
@@ -69,16 +76,28 @@ impl Vault {
                 reason: format!("file has {len} bytes, the vault says {}", pre.file_len),
             });
         }
-        let end = pre.header_offset.checked_add(pre.header_len).filter(|e| *e <= len);
+        let end = pre
+            .header_offset
+            .checked_add(pre.header_len)
+            .filter(|e| *e <= len);
         let Some(end) = end else {
             return Err(fmt("header lies outside the file".into()));
         };
         let json = &map[pre.header_offset as usize..end as usize];
         if checksum(json) != pre.header_xxh3 {
-            return Err(VaultError::Checksum { path: path.to_path_buf(), what: "the header".into() });
+            return Err(VaultError::Checksum {
+                path: path.to_path_buf(),
+                what: "the header".into(),
+            });
         }
-        let header: Header = serde_json::from_slice(json).map_err(|e| fmt(format!("header JSON: {e}")))?;
-        let vault = Vault { path: path.to_path_buf(), map: Arc::new(map), header: Arc::new(header), version: (pre.major, pre.minor) };
+        let header: Header =
+            serde_json::from_slice(json).map_err(|e| fmt(format!("header JSON: {e}")))?;
+        let vault = Vault {
+            path: path.to_path_buf(),
+            map: Arc::new(map),
+            header: Arc::new(header),
+            version: (pre.major, pre.minor),
+        };
         vault.check_directory()?;
         Ok(vault)
     }
@@ -86,10 +105,16 @@ impl Vault {
     /// Every tensor and blob must lie inside the file and have the size its shape implies.
     fn check_directory(&self) -> Result<()> {
         let len = self.map.len() as u64;
-        let fmt = |reason: String| VaultError::Format { path: self.path.clone(), reason };
+        let fmt = |reason: String| VaultError::Format {
+            path: self.path.clone(),
+            reason,
+        };
         for t in &self.header.tensors {
             let (r, c) = t.rows_cols();
-            if t.shape.is_empty() || t.shape.len() > 2 || t.length != (r * t.dtype.row_stride(c)) as u64 {
+            if t.shape.is_empty()
+                || t.shape.len() > 2
+                || t.length != (r * t.dtype.row_stride(c)) as u64
+            {
                 return Err(fmt(format!("tensor {} has an inconsistent size", t.name)));
             }
             if t.offset + t.length > len {
@@ -100,12 +125,18 @@ impl Vault {
             for p in &x.parts {
                 let need = (p.shape[0] * p.dtype.row_stride(p.shape[1])) as u64;
                 if p.length != need || p.offset + p.length > x.used_bytes {
-                    return Err(fmt(format!("expert part {} has an inconsistent size", p.name)));
+                    return Err(fmt(format!(
+                        "expert part {} has an inconsistent size",
+                        p.name
+                    )));
                 }
             }
             for b in &x.blobs {
                 if b.offset + x.used_bytes > len {
-                    return Err(fmt(format!("expert blob of layer {} expert {} lies outside the file", b.layer, b.expert)));
+                    return Err(fmt(format!(
+                        "expert blob of layer {} expert {} lies outside the file",
+                        b.layer, b.expert
+                    )));
                 }
             }
         }
@@ -126,14 +157,22 @@ impl Vault {
             .tensors
             .iter()
             .find(|t| t.name == name)
-            .ok_or_else(|| VaultError::Tensor(format!("{}: tensor {name} is missing", self.path.display())))?;
-        Ok(TensorData { map: self.map.clone(), entry: entry.clone() })
+            .ok_or_else(|| {
+                VaultError::Tensor(format!("{}: tensor {name} is missing", self.path.display()))
+            })?;
+        Ok(TensorData {
+            map: self.map.clone(),
+            entry: entry.clone(),
+        })
     }
 
     /// Recomputes a tensor's checksum.
     pub fn verify_tensor(&self, t: &TensorData) -> Result<()> {
         if checksum(t.bytes()) != t.entry.xxh3 {
-            return Err(VaultError::Checksum { path: self.path.clone(), what: format!("tensor {}", t.entry.name) });
+            return Err(VaultError::Checksum {
+                path: self.path.clone(),
+                what: format!("tensor {}", t.entry.name),
+            });
         }
         Ok(())
     }
@@ -142,7 +181,10 @@ impl Vault {
     pub fn verify_scout(&self) -> Result<()> {
         use rayon::prelude::*;
         self.header.tensors.par_iter().try_for_each(|e| {
-            let t = TensorData { map: self.map.clone(), entry: e.clone() };
+            let t = TensorData {
+                map: self.map.clone(),
+                entry: e.clone(),
+            };
             self.verify_tensor(&t)
         })
     }
@@ -156,13 +198,27 @@ impl Vault {
         self.header
             .experts
             .as_ref()
-            .and_then(|x| x.blobs.iter().find(|b| b.layer == layer && b.expert == expert))
-            .ok_or_else(|| VaultError::Tensor(format!("{}: no blob for layer {layer} expert {expert}", self.path.display())))
+            .and_then(|x| {
+                x.blobs
+                    .iter()
+                    .find(|b| b.layer == layer && b.expert == expert)
+            })
+            .ok_or_else(|| {
+                VaultError::Tensor(format!(
+                    "{}: no blob for layer {layer} expert {expert}",
+                    self.path.display()
+                ))
+            })
     }
 
     /// The used bytes of an expert blob, straight from the mapping (not verified).
     pub fn expert_bytes_mapped(&self, blob: &ExpertBlob) -> &[u8] {
-        let used = self.header.experts.as_ref().map(|x| x.used_bytes).unwrap_or(0);
+        let used = self
+            .header
+            .experts
+            .as_ref()
+            .map(|x| x.used_bytes)
+            .unwrap_or(0);
         &self.map[blob.offset as usize..(blob.offset + used) as usize]
     }
 

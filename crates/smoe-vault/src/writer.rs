@@ -30,12 +30,22 @@ impl<W: Write + Seek> VaultWriter<W> {
     pub fn new(mut out: W, path: &Path) -> Result<Self> {
         let path = path.to_path_buf();
         // Placeholder preamble and zero fill up to the first aligned byte.
-        out.write_all(&vec![0u8; BLOB_ALIGN as usize]).map_err(|e| VaultError::io(&path, e))?;
-        Ok(VaultWriter { out, path, pos: BLOB_ALIGN, tensors: vec![], experts: None, open_tensor: None })
+        out.write_all(&vec![0u8; BLOB_ALIGN as usize])
+            .map_err(|e| VaultError::io(&path, e))?;
+        Ok(VaultWriter {
+            out,
+            path,
+            pos: BLOB_ALIGN,
+            tensors: vec![],
+            experts: None,
+            open_tensor: None,
+        })
     }
 
     fn write(&mut self, bytes: &[u8]) -> Result<()> {
-        self.out.write_all(bytes).map_err(|e| VaultError::io(&self.path, e))?;
+        self.out
+            .write_all(bytes)
+            .map_err(|e| VaultError::io(&self.path, e))?;
         self.pos += bytes.len() as u64;
         Ok(())
     }
@@ -48,7 +58,10 @@ impl<W: Write + Seek> VaultWriter<W> {
 
     /// Starts a scout tensor whose bytes arrive in one or more `tensor_data` calls.
     pub fn begin_tensor(&mut self, name: &str, dtype: DType, shape: &[usize]) -> Result<()> {
-        assert!(self.open_tensor.is_none() && self.experts.is_none(), "tensors precede experts");
+        assert!(
+            self.open_tensor.is_none() && self.experts.is_none(),
+            "tensors precede experts"
+        );
         self.pad_to(TENSOR_ALIGN)?;
         let entry = TensorEntry {
             name: name.to_string(),
@@ -84,7 +97,13 @@ impl<W: Write + Seek> VaultWriter<W> {
         Ok(())
     }
 
-    pub fn add_tensor(&mut self, name: &str, dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<()> {
+    pub fn add_tensor(
+        &mut self,
+        name: &str,
+        dtype: DType,
+        shape: &[usize],
+        bytes: &[u8],
+    ) -> Result<()> {
         self.begin_tensor(name, dtype, shape)?;
         self.tensor_data(bytes)?;
         self.end_tensor()
@@ -107,7 +126,12 @@ impl<W: Write + Seek> VaultWriter<W> {
     pub fn add_expert(&mut self, layer: usize, expert: usize, blob: &[u8]) -> Result<()> {
         let sec = self.experts.as_ref().expect("begin_experts first");
         assert_eq!(blob.len() as u64, sec.used_bytes, "expert blob size");
-        let entry = ExpertBlob { layer, expert, offset: self.pos, xxh3: checksum(blob) };
+        let entry = ExpertBlob {
+            layer,
+            expert,
+            offset: self.pos,
+            xxh3: checksum(blob),
+        };
         self.write(blob)?;
         self.pad_to(BLOB_ALIGN)?;
         self.experts.as_mut().unwrap().blobs.push(entry);
@@ -119,7 +143,8 @@ impl<W: Write + Seek> VaultWriter<W> {
         header.tensors = std::mem::take(&mut self.tensors);
         header.experts = self.experts.take();
         self.pad_to(16)?;
-        let json = serde_json::to_vec(&header).map_err(|e| VaultError::Tensor(format!("header: {e}")))?;
+        let json =
+            serde_json::to_vec(&header).map_err(|e| VaultError::Tensor(format!("header: {e}")))?;
         let header_offset = self.pos;
         self.write(&json)?;
         let pre = Preamble {

@@ -21,7 +21,11 @@ fn header() -> Header {
         hf_config: serde_json::json!({}),
         text: TextInfo::default(),
         generation: GenerationDefaults::default(),
-        quant: QuantInfo { experts: DType::Q4, scout: DType::Bf16, group_size: 64 },
+        quant: QuantInfo {
+            experts: DType::Q4,
+            scout: DType::Bf16,
+            group_size: 64,
+        },
         tensors: vec![],
         experts: None,
         writer: "test".into(),
@@ -39,10 +43,17 @@ fn write_vault(path: &Path) -> (Vec<u8>, Vec<Vec<u8>>) {
     w.add_tensor("m", DType::Bf16, &[3, 64], &m).unwrap();
     let v = quantize_matrix(DType::F32, &values(64, 2.0), 1, 64);
     w.add_tensor("v", DType::F32, &[64], &v).unwrap();
-    let part = ExpertPart { name: "gate_proj".into(), dtype: DType::Q4, shape: [5, 128], offset: 0, length: 5 * 80 };
+    let part = ExpertPart {
+        name: "gate_proj".into(),
+        dtype: DType::Q4,
+        shape: [5, 128],
+        offset: 0,
+        length: 5 * 80,
+    };
     w.begin_experts(vec![part]).unwrap();
-    let blobs: Vec<Vec<u8>> =
-        (0..2).map(|e| quantize_matrix(DType::Q4, &values(5 * 128, e as f32), 5, 128)).collect();
+    let blobs: Vec<Vec<u8>> = (0..2)
+        .map(|e| quantize_matrix(DType::Q4, &values(5 * 128, e as f32), 5, 128))
+        .collect();
     for (e, b) in blobs.iter().enumerate() {
         w.add_expert(0, e, b).unwrap();
     }
@@ -98,7 +109,10 @@ fn damage_is_detected() {
     std::fs::write(&p, &bad).unwrap();
     let v = Vault::open(&p).unwrap();
     let entry = v.expert_entry(0, 1).unwrap();
-    let e = v.verify_expert(entry, v.expert_bytes_mapped(entry)).unwrap_err().to_string();
+    let e = v
+        .verify_expert(entry, v.expert_bytes_mapped(entry))
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("layer 0 expert 1"), "{e}");
 
     // Truncated.
@@ -113,7 +127,11 @@ fn damage_is_detected() {
     assert!(e.contains("version 2.0 is not supported"), "{e}");
 
     // Not a vault at all.
-    std::fs::write(&p, b"hello world, this is certainly not a vault file at all; 64+ bytes long....").unwrap();
+    std::fs::write(
+        &p,
+        b"hello world, this is certainly not a vault file at all; 64+ bytes long....",
+    )
+    .unwrap();
     assert!(Vault::open(&p).err().unwrap().to_string().contains("magic"));
 
     // Header damage.
@@ -151,7 +169,10 @@ impl Seek for FullDisk {
 
 #[test]
 fn full_disk_is_reported_as_such() {
-    let out = FullDisk { inner: Cursor::new(vec![]), left: 20000 };
+    let out = FullDisk {
+        inner: Cursor::new(vec![]),
+        left: 20000,
+    };
     let mut w = VaultWriter::new(out, Path::new("out.smoe")).unwrap();
     let m = vec![0u8; 8192];
     let e = w.add_tensor("m", DType::Bf16, &[64, 64], &m).unwrap_err();
@@ -160,7 +181,11 @@ fn full_disk_is_reported_as_such() {
 }
 
 fn tempdir() -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("smoe-format-{}-{:?}", std::process::id(), std::thread::current().id()));
+    let d = std::env::temp_dir().join(format!(
+        "smoe-format-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
     std::fs::create_dir_all(&d).unwrap();
     d
 }

@@ -1,6 +1,6 @@
 //! `smoe generate`: continue a prompt.
 
-use crate::common::{open_engine, parse_ids, Backend};
+use crate::common::{model_path, open_engine, parse_ids, Backend};
 use anyhow::{bail, Result};
 use smoe_engine::chat::{ChatMessage, ChatTemplate, CHATML_TEMPLATE};
 use smoe_engine::GenerateOptions;
@@ -9,10 +9,15 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct Args {
+    /// The model vault (default: the built-in demo model).
     #[arg(short, long, value_name = "M.smoe")]
-    model: PathBuf,
+    model: Option<PathBuf>,
     /// Prompt text (tokenized with the model's tokenizer).
-    #[arg(long, conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
+    #[arg(
+        long,
+        conflicts_with = "prompt_ids",
+        required_unless_present = "prompt_ids"
+    )]
     prompt: Option<String>,
     /// Prompt as token ids, comma-separated (used verbatim; no BOS is added).
     #[arg(long, value_name = "1,2,3")]
@@ -54,7 +59,7 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let engine = open_engine(&a.model, a.backend)?;
+    let engine = open_engine(&model_path(a.model.as_deref())?, a.backend)?;
     let prompt: Vec<u32> = match (&a.prompt_ids, &a.prompt) {
         (Some(ids), _) => parse_ids(ids)?,
         (None, Some(text)) => {
@@ -96,21 +101,37 @@ pub fn run(a: Args) -> Result<()> {
         sampler.repetition_penalty = r;
     }
     sampler.seed = a.seed.unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0)
     });
     let opts = GenerateOptions {
         max_tokens: a.max_tokens,
         sampler: sampler.clone(),
-        stop_ids: if a.ignore_eos { vec![] } else { engine.generation.eos_token_ids.clone() },
+        stop_ids: if a.ignore_eos {
+            vec![]
+        } else {
+            engine.generation.eos_token_ids.clone()
+        },
         stop_strings: a.stop.clone(),
     };
     let ctx = a.ctx.unwrap_or(prompt.len() + a.max_tokens);
     if ctx < prompt.len() + 1 {
-        bail!("--ctx {ctx} leaves no room after the {}-token prompt", prompt.len());
+        bail!(
+            "--ctx {ctx} leaves no room after the {}-token prompt",
+            prompt.len()
+        );
     }
     let mut session = engine.session(ctx);
     let stream = !a.json && engine.tokenizer.is_some();
     let mut stdout = std::io::stdout();
+    // Echo a plain text prompt so the continuation reads in context.
+    if stream && !a.chat {
+        if let Some(p) = &a.prompt {
+            let _ = stdout.write_all(p.as_bytes());
+        }
+    }
     let g = session.generate(&prompt, &opts, &mut |delta| {
         if stream {
             let _ = stdout.write_all(delta.as_bytes());
@@ -135,7 +156,14 @@ pub fn run(a: Args) -> Result<()> {
         if stream {
             println!();
         } else {
-            println!("{}", g.tokens.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(","));
+            println!(
+                "{}",
+                g.tokens
+                    .iter()
+                    .map(|t| t.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            );
         }
         eprintln!(
             "[{} prompt tokens, {:.1} tok/s prefill; {} generated, {:.1} tok/s decode; {:?}]",

@@ -1,13 +1,14 @@
 //! `smoe logprobs`: teacher-forced scoring of a token sequence.
 
-use crate::common::{open_engine, parse_ids, Backend};
+use crate::common::{model_path, open_engine, parse_ids, Backend};
 use anyhow::Result;
 use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct Args {
+    /// The model vault (default: the built-in demo model).
     #[arg(short, long, value_name = "M.smoe")]
-    model: PathBuf,
+    model: Option<PathBuf>,
     /// Token ids, comma-separated (used verbatim; no BOS is added).
     #[arg(long, value_name = "1,2,3")]
     prompt_ids: String,
@@ -20,14 +21,21 @@ pub struct Args {
 
 pub fn run(a: Args) -> Result<()> {
     let ids = parse_ids(&a.prompt_ids)?;
-    let engine = open_engine(&a.model, a.backend)?;
+    let engine = open_engine(&model_path(a.model.as_deref())?, a.backend)?;
     let r = engine.logprobs(&ids)?;
     if a.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
-        println!("{:>5} {:>8} {:>12} {:>8}", "pos", "token", "logprob", "argmax");
+        println!(
+            "{:>5} {:>8} {:>12} {:>8}",
+            "pos", "token", "logprob", "argmax"
+        );
         for (i, &t) in ids.iter().enumerate() {
-            let lp = if i > 0 { format!("{:.5}", r.logprobs[i - 1]) } else { "-".into() };
+            let lp = if i > 0 {
+                format!("{:.5}", r.logprobs[i - 1])
+            } else {
+                "-".into()
+            };
             println!("{i:>5} {t:>8} {lp:>12} {:>8}", r.argmax[i]);
         }
         println!("nll {:.6}  perplexity {:.4}", r.nll, r.nll.exp());

@@ -1,13 +1,14 @@
 //! `smoe perplexity`: exp(mean NLL) of a text file, in non-overlapping windows.
 
-use crate::common::{open_engine, Backend};
+use crate::common::{model_path, open_engine, Backend};
 use anyhow::{bail, Context, Result};
 use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct Args {
+    /// The model vault (default: the built-in demo model).
     #[arg(short, long, value_name = "M.smoe")]
-    model: PathBuf,
+    model: Option<PathBuf>,
     /// UTF-8 text to score.
     #[arg(long)]
     file: PathBuf,
@@ -25,9 +26,11 @@ pub fn run(a: Args) -> Result<()> {
     if a.ctx < 2 {
         bail!("--ctx must be at least 2");
     }
-    let bytes = std::fs::read(&a.file).with_context(|| format!("cannot read {}", a.file.display()))?;
-    let text = String::from_utf8(bytes).map_err(|_| anyhow::anyhow!("{}: not UTF-8 text", a.file.display()))?;
-    let engine = open_engine(&a.model, a.backend)?;
+    let bytes =
+        std::fs::read(&a.file).with_context(|| format!("cannot read {}", a.file.display()))?;
+    let text = String::from_utf8(bytes)
+        .map_err(|_| anyhow::anyhow!("{}: not UTF-8 text", a.file.display()))?;
+    let engine = open_engine(&model_path(a.model.as_deref())?, a.backend)?;
     let ids = engine.tokenizer()?.encode(&text, false)?;
     if ids.len() < 2 {
         bail!("{}: fewer than 2 tokens", a.file.display());
@@ -35,7 +38,10 @@ pub fn run(a: Args) -> Result<()> {
     let ctx = a.ctx.min(engine.model.config().max_position_embeddings);
     let windows: Vec<&[u32]> = ids.chunks(ctx).filter(|w| w.len() >= 2).collect();
     let pb = indicatif::ProgressBar::new(ids.len() as u64);
-    pb.set_style(indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} tokens eta {eta}").unwrap());
+    pb.set_style(
+        indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} tokens eta {eta}")
+            .unwrap(),
+    );
     pb.set_message("scoring");
     let (mut sum, mut n) = (0f64, 0usize);
     for w in &windows {
@@ -47,9 +53,17 @@ pub fn run(a: Args) -> Result<()> {
     pb.finish_and_clear();
     let nll = sum / n as f64;
     if a.json {
-        println!("{}", serde_json::json!({"perplexity": nll.exp(), "nll": nll, "tokens": n, "windows": windows.len(), "ctx": ctx}));
+        println!(
+            "{}",
+            serde_json::json!({"perplexity": nll.exp(), "nll": nll, "tokens": n, "windows": windows.len(), "ctx": ctx})
+        );
     } else {
-        println!("perplexity {:.4} (nll {:.5}) over {n} predicted tokens in {} windows of ≤{ctx}", nll.exp(), nll, windows.len());
+        println!(
+            "perplexity {:.4} (nll {:.5}) over {n} predicted tokens in {} windows of ≤{ctx}",
+            nll.exp(),
+            nll,
+            windows.len()
+        );
     }
     Ok(())
 }

@@ -88,11 +88,14 @@ pub struct AttnShape {
     pub n_kv_heads: usize,
     pub head_dim: usize,
     pub scale: f32,
+    /// Attend only to the last `window` positions (the current one included); None = all.
+    pub window: Option<usize>,
 }
 
 /// Causal GQA attention for `T` new tokens whose keys/values are already in the cache.
 /// `q`: `[T, n_heads * head_dim]`; `k_cache`/`v_cache`: `[ctx, n_kv_heads * head_dim]`;
-/// token `t` sits at position `pos0 + t` and attends to positions `0..=pos0 + t`.
+/// token `t` sits at position `pos0 + t` and attends to positions `0..=pos0 + t` (or only the
+/// last `window` of them).
 /// `out`: `[T, n_heads * head_dim]`.
 pub fn attention(
     q: &[f32],
@@ -113,7 +116,8 @@ pub fn attention(
         let qh = &q[i * hd..(i + 1) * hd];
         let kvh = h / group;
         let n_ctx = pos0 + t + 1;
-        let mut scores: Vec<f32> = (0..n_ctx)
+        let first = s.window.map_or(0, |w| n_ctx.saturating_sub(w));
+        let mut scores: Vec<f32> = (first..n_ctx)
             .map(|p| {
                 let k = &k_cache[p * kv_stride + kvh * hd..p * kv_stride + (kvh + 1) * hd];
                 qh.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * s.scale
@@ -121,7 +125,8 @@ pub fn attention(
             .collect();
         softmax_inplace(&mut scores);
         o.fill(0.0);
-        for (p, w) in scores.iter().enumerate() {
+        for (j, w) in scores.iter().enumerate() {
+            let p = first + j;
             let v = &v_cache[p * kv_stride + kvh * hd..p * kv_stride + (kvh + 1) * hd];
             axpy(o, *w, v);
         }
@@ -173,6 +178,13 @@ mod tests {
         attention(&[1.0, 1.0], &k, &v, 0, s, &mut out);
         assert!((out[0] - 1.0).abs() < 1e-6);
         assert!((out[1] - 4.0).abs() < 1e-6);
+        // A window of one position: each token sees only itself.
+        let s = AttnShape {
+            window: Some(1),
+            ..s
+        };
+        attention(&[1.0, 1.0], &k, &v, 0, s, &mut out);
+        assert_eq!(out, vec![1.0, 5.0]);
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Model architectures: one file per family; this module holds what they share.
 
-pub mod qwen3_moe;
+pub mod decoder;
 
 use crate::error::EngineError;
 use crate::kv_cache::KvCache;
@@ -34,21 +34,26 @@ pub fn mat(t: &TensorData) -> QMatRef<'_> {
     QMatRef::new(t.dtype(), rows, cols, t.bytes())
 }
 
-/// A loaded model of any supported architecture.
+/// A loaded model. Every supported family (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) is the same
+/// decoder with different options; an architecture that needs other blocks (MLA, linear
+/// attention) becomes a new variant here.
 pub enum Model {
-    Qwen3Moe(qwen3_moe::Qwen3Moe),
+    Decoder(decoder::Decoder),
 }
 
 impl Model {
     pub fn load(vault: &Vault) -> Result<Self, EngineError> {
+        use Architecture::*;
         match vault.header.config.architecture {
-            Architecture::Qwen3Moe => Ok(Model::Qwen3Moe(qwen3_moe::Qwen3Moe::load(vault)?)),
+            Qwen3Moe | Qwen2Moe | Mixtral | Olmoe => {
+                Ok(Model::Decoder(decoder::Decoder::load(vault)?))
+            }
         }
     }
 
     pub fn config(&self) -> &ModelConfig {
         match self {
-            Model::Qwen3Moe(m) => &m.cfg,
+            Model::Decoder(m) => &m.cfg,
         }
     }
 
@@ -57,9 +62,15 @@ impl Model {
         KvCache::new(c.num_layers, c.num_kv_heads * c.head_dim, capacity)
     }
 
-    pub fn forward(&self, kv: &mut KvCache, tokens: &[u32], want: Logits, s: &mut Scratch) -> Result<Vec<f32>, EngineError> {
+    pub fn forward(
+        &self,
+        kv: &mut KvCache,
+        tokens: &[u32],
+        want: Logits,
+        s: &mut Scratch,
+    ) -> Result<Vec<f32>, EngineError> {
         match self {
-            Model::Qwen3Moe(m) => m.forward(kv, tokens, want, s),
+            Model::Decoder(m) => m.forward(kv, tokens, want, s),
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Hugging Face checkpoint directory → `.smoe` vault, streaming tensor by tensor.
 
 use super::safetensors::{SrcTensor, TensorFiles};
-use crate::config::{FfnKind, GenerationDefaults, ModelConfig};
+use crate::config::{Architecture, FfnKind, GenerationDefaults, ModelConfig, QkNorm};
 use crate::error::{Result, VaultError};
 use crate::format::*;
 use crate::quant::{quantize_matrix, DType};
@@ -28,47 +28,170 @@ enum Role {
 }
 
 struct Expected {
+    /// The vault's (canonical, Qwen-style) name.
     name: String,
+    /// The checkpoint's name for it.
+    source: String,
     shape: Vec<usize>,
     role: Role,
 }
 
-/// The tensors a Qwen3-MoE checkpoint must contain, besides the routed experts.
+/// Family-specific spellings of the canonical per-layer names: Mixtral calls its MoE block
+/// `block_sparse_moe` and its experts' matrices w1 (gate), w3 (up), w2 (down).
+fn source_name(arch: Architecture, canonical: &str) -> String {
+    if arch != Architecture::Mixtral {
+        return canonical.to_string();
+    }
+    canonical
+        .replace(".mlp.gate.weight", ".block_sparse_moe.gate.weight")
+        .replace(".mlp.experts.", ".block_sparse_moe.experts.")
+        .replace(".gate_proj.weight", ".w1.weight")
+        .replace(".up_proj.weight", ".w3.weight")
+        .replace(".down_proj.weight", ".w2.weight")
+}
+
+/// The tensors a checkpoint must contain, besides the routed experts, under canonical names.
 fn scout_tensors(c: &ModelConfig) -> Vec<Expected> {
-    let (h, q, kv) = (c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
-    let t = |name: String, shape: Vec<usize>, role| Expected { name, shape, role };
-    let mut v = vec![t("model.embed_tokens.weight".into(), vec![c.vocab_size, h], Role::Scout)];
+    let (h, q, kv) = (
+        c.hidden_size,
+        c.num_heads * c.head_dim,
+        c.num_kv_heads * c.head_dim,
+    );
+    let arch = c.architecture;
+    let t = |name: String, shape: Vec<usize>, role| Expected {
+        source: source_name(arch, &name),
+        name,
+        shape,
+        role,
+    };
+    let mut v = vec![t(
+        "model.embed_tokens.weight".into(),
+        vec![c.vocab_size, h],
+        Role::Scout,
+    )];
+    let mlp = |v: &mut Vec<Expected>, p: &str, i: usize| {
+        v.push(t(format!("{p}.gate_proj.weight"), vec![i, h], Role::Scout));
+        v.push(t(format!("{p}.up_proj.weight"), vec![i, h], Role::Scout));
+        v.push(t(format!("{p}.down_proj.weight"), vec![h, i], Role::Scout));
+    };
     for l in 0..c.num_layers {
         let p = format!("model.layers.{l}");
-        v.push(t(format!("{p}.input_layernorm.weight"), vec![h], Role::Vector));
-        v.push(t(format!("{p}.post_attention_layernorm.weight"), vec![h], Role::Vector));
-        v.push(t(format!("{p}.self_attn.q_proj.weight"), vec![q, h], Role::Scout));
-        v.push(t(format!("{p}.self_attn.k_proj.weight"), vec![kv, h], Role::Scout));
-        v.push(t(format!("{p}.self_attn.v_proj.weight"), vec![kv, h], Role::Scout));
-        v.push(t(format!("{p}.self_attn.o_proj.weight"), vec![h, q], Role::Scout));
-        v.push(t(format!("{p}.self_attn.q_norm.weight"), vec![c.head_dim], Role::Vector));
-        v.push(t(format!("{p}.self_attn.k_norm.weight"), vec![c.head_dim], Role::Vector));
-        match c.ffn[l] {
-            FfnKind::Moe => v.push(t(format!("{p}.mlp.gate.weight"), vec![c.num_experts, h], Role::Router)),
-            FfnKind::Dense => {
-                let i = c.intermediate_size;
-                v.push(t(format!("{p}.mlp.gate_proj.weight"), vec![i, h], Role::Scout));
-                v.push(t(format!("{p}.mlp.up_proj.weight"), vec![i, h], Role::Scout));
-                v.push(t(format!("{p}.mlp.down_proj.weight"), vec![h, i], Role::Scout));
+        v.push(t(
+            format!("{p}.input_layernorm.weight"),
+            vec![h],
+            Role::Vector,
+        ));
+        v.push(t(
+            format!("{p}.post_attention_layernorm.weight"),
+            vec![h],
+            Role::Vector,
+        ));
+        v.push(t(
+            format!("{p}.self_attn.q_proj.weight"),
+            vec![q, h],
+            Role::Scout,
+        ));
+        v.push(t(
+            format!("{p}.self_attn.k_proj.weight"),
+            vec![kv, h],
+            Role::Scout,
+        ));
+        v.push(t(
+            format!("{p}.self_attn.v_proj.weight"),
+            vec![kv, h],
+            Role::Scout,
+        ));
+        v.push(t(
+            format!("{p}.self_attn.o_proj.weight"),
+            vec![h, q],
+            Role::Scout,
+        ));
+        if c.qkv_bias {
+            v.push(t(
+                format!("{p}.self_attn.q_proj.bias"),
+                vec![q],
+                Role::Vector,
+            ));
+            v.push(t(
+                format!("{p}.self_attn.k_proj.bias"),
+                vec![kv],
+                Role::Vector,
+            ));
+            v.push(t(
+                format!("{p}.self_attn.v_proj.bias"),
+                vec![kv],
+                Role::Vector,
+            ));
+        }
+        match c.qk_norm {
+            QkNorm::None => {}
+            QkNorm::PerHead => {
+                v.push(t(
+                    format!("{p}.self_attn.q_norm.weight"),
+                    vec![c.head_dim],
+                    Role::Vector,
+                ));
+                v.push(t(
+                    format!("{p}.self_attn.k_norm.weight"),
+                    vec![c.head_dim],
+                    Role::Vector,
+                ));
             }
+            QkNorm::Full => {
+                v.push(t(
+                    format!("{p}.self_attn.q_norm.weight"),
+                    vec![q],
+                    Role::Vector,
+                ));
+                v.push(t(
+                    format!("{p}.self_attn.k_norm.weight"),
+                    vec![kv],
+                    Role::Vector,
+                ));
+            }
+        }
+        match c.ffn[l] {
+            FfnKind::Moe => {
+                v.push(t(
+                    format!("{p}.mlp.gate.weight"),
+                    vec![c.num_experts, h],
+                    Role::Router,
+                ));
+                if c.shared_expert_intermediate_size > 0 {
+                    mlp(
+                        &mut v,
+                        &format!("{p}.mlp.shared_expert"),
+                        c.shared_expert_intermediate_size,
+                    );
+                    v.push(t(
+                        format!("{p}.mlp.shared_expert_gate.weight"),
+                        vec![1, h],
+                        Role::Router,
+                    ));
+                }
+            }
+            FfnKind::Dense => mlp(&mut v, &format!("{p}.mlp"), c.intermediate_size),
         }
     }
     v.push(t("model.norm.weight".into(), vec![h], Role::Vector));
     if !c.tie_word_embeddings {
-        v.push(t("lm_head.weight".into(), vec![c.vocab_size, h], Role::Scout));
+        v.push(t(
+            "lm_head.weight".into(),
+            vec![c.vocab_size, h],
+            Role::Scout,
+        ));
     }
     v
 }
 
 pub const EXPERT_PARTS: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
 
-fn expert_name(layer: usize, expert: usize, part: &str) -> String {
-    format!("model.layers.{layer}.mlp.experts.{expert}.{part}.weight")
+/// The checkpoint's name of one expert matrix.
+fn expert_name(c: &ModelConfig, layer: usize, expert: usize, part: &str) -> String {
+    source_name(
+        c.architecture,
+        &format!("model.layers.{layer}.mlp.experts.{expert}.{part}.weight"),
+    )
 }
 
 /// Layout of gate, up and down inside a blob: gate and up adjacent (one [2I, H] matrix for a
@@ -87,7 +210,12 @@ pub fn expert_parts(c: &ModelConfig, dtype: DType) -> Vec<ExpertPart> {
     vec![
         part("gate_proj", [i, h], 0, gate_len),
         part("up_proj", [i, h], gate_len, gate_len),
-        part("down_proj", [h, i], (2 * gate_len).next_multiple_of(TENSOR_ALIGN), down_len),
+        part(
+            "down_proj",
+            [h, i],
+            (2 * gate_len).next_multiple_of(TENSOR_ALIGN),
+            down_len,
+        ),
     ]
 }
 
@@ -103,7 +231,8 @@ pub struct HfCheckpoint {
 
 fn read_json(path: &Path) -> Result<Value> {
     let s = std::fs::read_to_string(path).map_err(|e| VaultError::io(path, e))?;
-    serde_json::from_str(&s).map_err(|e| VaultError::Config(format!("{}: invalid JSON: {e}", path.display())))
+    serde_json::from_str(&s)
+        .map_err(|e| VaultError::Config(format!("{}: invalid JSON: {e}", path.display())))
 }
 
 fn read_json_opt(path: &Path) -> Result<Option<Value>> {
@@ -126,11 +255,17 @@ fn token_string(v: Option<&Value>) -> Option<String> {
 impl HfCheckpoint {
     pub fn open(dir: &Path) -> Result<Self> {
         if !dir.is_dir() {
-            return Err(VaultError::Config(format!("{}: not a directory", dir.display())));
+            return Err(VaultError::Config(format!(
+                "{}: not a directory",
+                dir.display()
+            )));
         }
         let cfg_path = dir.join("config.json");
         if !cfg_path.exists() {
-            return Err(VaultError::Config(format!("{}: no config.json (not a Hugging Face checkpoint)", dir.display())));
+            return Err(VaultError::Config(format!(
+                "{}: no config.json (not a Hugging Face checkpoint)",
+                dir.display()
+            )));
         }
         let hf_config = read_json(&cfg_path)?;
         let config = ModelConfig::from_hf(&hf_config).map_err(|e| match e {
@@ -144,17 +279,20 @@ impl HfCheckpoint {
             Err(e) => return Err(VaultError::io(dir.join("tokenizer.json"), e)),
         };
         let template_file = std::fs::read_to_string(dir.join("chat_template.jinja")).ok();
-        let template_cfg = tok_cfg.as_ref().and_then(|t| t.get("chat_template")).and_then(|t| match t {
-            Value::String(s) => Some(s.clone()),
-            // A list of named templates: take "default".
-            Value::Array(a) => a
-                .iter()
-                .find(|x| x.get("name").and_then(Value::as_str) == Some("default"))
-                .and_then(|x| x.get("template"))
-                .and_then(Value::as_str)
-                .map(str::to_string),
-            _ => None,
-        });
+        let template_cfg = tok_cfg
+            .as_ref()
+            .and_then(|t| t.get("chat_template"))
+            .and_then(|t| match t {
+                Value::String(s) => Some(s.clone()),
+                // A list of named templates: take "default".
+                Value::Array(a) => a
+                    .iter()
+                    .find(|x| x.get("name").and_then(Value::as_str) == Some("default"))
+                    .and_then(|x| x.get("template"))
+                    .and_then(Value::as_str)
+                    .map(str::to_string),
+                _ => None,
+            });
         let text = TextInfo {
             tokenizer_json,
             chat_template: template_file.or(template_cfg),
@@ -164,7 +302,14 @@ impl HfCheckpoint {
         let gen_cfg = read_json_opt(&dir.join("generation_config.json"))?;
         let generation = GenerationDefaults::from_hf(&hf_config, gen_cfg.as_ref());
         let files = TensorFiles::open(&safetensors_files(dir)?)?;
-        let ck = HfCheckpoint { dir: dir.to_path_buf(), hf_config, config, text, generation, files };
+        let ck = HfCheckpoint {
+            dir: dir.to_path_buf(),
+            hf_config,
+            config,
+            text,
+            generation,
+            files,
+        };
         ck.check_tensors()?;
         Ok(ck)
     }
@@ -172,14 +317,16 @@ impl HfCheckpoint {
     /// Missing, extra or misshapen tensors are reported before anything is written.
     fn check_tensors(&self) -> Result<()> {
         let c = &self.config;
-        let mut expected: Vec<(String, Vec<usize>)> =
-            scout_tensors(c).into_iter().map(|e| (e.name, e.shape)).collect();
+        let mut expected: Vec<(String, Vec<usize>)> = scout_tensors(c)
+            .into_iter()
+            .map(|e| (e.source, e.shape))
+            .collect();
         for l in c.moe_layers() {
             for e in 0..c.num_experts {
                 let (h, i) = (c.hidden_size, c.moe_intermediate_size);
-                expected.push((expert_name(l, e, "gate_proj"), vec![i, h]));
-                expected.push((expert_name(l, e, "up_proj"), vec![i, h]));
-                expected.push((expert_name(l, e, "down_proj"), vec![h, i]));
+                expected.push((expert_name(c, l, e, "gate_proj"), vec![i, h]));
+                expected.push((expert_name(c, l, e, "up_proj"), vec![i, h]));
+                expected.push((expert_name(c, l, e, "down_proj"), vec![h, i]));
             }
         }
         let mut missing = vec![];
@@ -205,7 +352,8 @@ impl HfCheckpoint {
                 missing[..missing.len().min(3)].join(", ")
             )));
         }
-        let known: std::collections::HashSet<&str> = expected.iter().map(|(n, _)| n.as_str()).collect();
+        let known: std::collections::HashSet<&str> =
+            expected.iter().map(|(n, _)| n.as_str()).collect();
         // A tied checkpoint may still carry lm_head.weight (a copy of the embedding).
         let extra: Vec<&String> = self
             .files
@@ -229,7 +377,11 @@ impl HfCheckpoint {
 
     /// Total source bytes (for progress).
     pub fn source_bytes(&self) -> u64 {
-        self.files.tensors.values().map(|t| (t.end - t.start) as u64).sum()
+        self.files
+            .tensors
+            .values()
+            .map(|t| (t.end - t.start) as u64)
+            .sum()
     }
 }
 
@@ -239,15 +391,23 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
         let v = read_json(&index)?;
-        let map = v.get("weight_map").and_then(Value::as_object).ok_or_else(|| {
-            VaultError::Config(format!("{}: no weight_map", index.display()))
-        })?;
-        let mut files: Vec<String> = map.values().filter_map(Value::as_str).map(str::to_string).collect();
+        let map = v
+            .get("weight_map")
+            .and_then(Value::as_object)
+            .ok_or_else(|| VaultError::Config(format!("{}: no weight_map", index.display())))?;
+        let mut files: Vec<String> = map
+            .values()
+            .filter_map(Value::as_str)
+            .map(str::to_string)
+            .collect();
         files.sort();
         files.dedup();
         let paths: Vec<PathBuf> = files.iter().map(|f| dir.join(f)).collect();
         if let Some(p) = paths.iter().find(|p| !p.exists()) {
-            return Err(VaultError::Config(format!("{}: shard listed in the index is missing", p.display())));
+            return Err(VaultError::Config(format!(
+                "{}: shard listed in the index is missing",
+                p.display()
+            )));
         }
         return Ok(paths);
     }
@@ -262,7 +422,10 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
         .collect();
     all.sort();
     if all.is_empty() {
-        return Err(VaultError::Config(format!("{}: no .safetensors files", dir.display())));
+        return Err(VaultError::Config(format!(
+            "{}: no .safetensors files",
+            dir.display()
+        )));
     }
     Ok(all)
 }
@@ -287,16 +450,24 @@ fn write_tensor<W: std::io::Write + std::io::Seek>(
     w: &mut VaultWriter<W>,
     files: &TensorFiles,
     t: &SrcTensor,
+    name: &str,
     dtype: DType,
     progress: &mut dyn Progress,
 ) -> Result<()> {
     let (rows, cols) = match t.shape.as_slice() {
         [n] => (1, *n),
         [r, c] => (*r, *c),
-        _ => return Err(VaultError::Tensor(format!("tensor {} is not 1-D or 2-D", t.name))),
+        _ => {
+            return Err(VaultError::Tensor(format!(
+                "tensor {} is not 1-D or 2-D",
+                t.name
+            )))
+        }
     };
-    dtype.check_cols(cols).map_err(|m| VaultError::Unsupported(format!("tensor {}: {m}", t.name)))?;
-    w.begin_tensor(&t.name, dtype, &t.shape)?;
+    dtype
+        .check_cols(cols)
+        .map_err(|m| VaultError::Unsupported(format!("tensor {}: {m}", t.name)))?;
+    w.begin_tensor(name, dtype, &t.shape)?;
     let step = chunk_rows(cols);
     let mut r0 = 0;
     while r0 < rows {
@@ -318,20 +489,25 @@ pub fn convert<W: std::io::Write + std::io::Seek>(
 ) -> Result<(u64, W)> {
     use rayon::prelude::*;
     if !matches!(opts.scout, DType::Bf16 | DType::Q8) {
-        return Err(VaultError::Unsupported(format!("scout type {} (use bf16 or q8)", opts.scout)));
+        return Err(VaultError::Unsupported(format!(
+            "scout type {} (use bf16 or q8)",
+            opts.scout
+        )));
     }
     if opts.experts == DType::F32 {
-        return Err(VaultError::Unsupported("expert type f32 (use bf16, q8, q4 or q2)".into()));
+        return Err(VaultError::Unsupported(
+            "expert type f32 (use bf16, q8, q4 or q2)".into(),
+        ));
     }
     let c = &ck.config;
     for e in scout_tensors(c) {
-        let t = ck.files.get(&e.name).expect("checked at open");
+        let t = ck.files.get(&e.source).expect("checked at open");
         let dtype = match e.role {
             Role::Vector => DType::F32,
             Role::Router => DType::Bf16,
             Role::Scout => opts.scout,
         };
-        write_tensor(&mut w, &ck.files, t, dtype, progress)?;
+        write_tensor(&mut w, &ck.files, t, &e.name, dtype, progress)?;
     }
     let parts = expert_parts(c, opts.experts);
     let used = parts.iter().map(|p| p.offset + p.length).max().unwrap_or(0) as usize;
@@ -348,7 +524,10 @@ pub fn convert<W: std::io::Write + std::io::Seek>(
                 .map(|e| {
                     let mut blob = vec![0u8; used];
                     for p in &parts {
-                        let t = ck.files.get(&expert_name(l, e, &p.name)).expect("checked at open");
+                        let t = ck
+                            .files
+                            .get(&expert_name(c, l, e, &p.name))
+                            .expect("checked at open");
                         let x = ck.files.read_rows_f32(t, 0, p.shape[0]);
                         let q = quantize_matrix(p.dtype, &x, p.shape[0], p.shape[1]);
                         blob[p.offset as usize..(p.offset + p.length) as usize].copy_from_slice(&q);
@@ -361,7 +540,7 @@ pub fn convert<W: std::io::Write + std::io::Seek>(
                 let src: u64 = EXPERT_PARTS
                     .iter()
                     .map(|p| {
-                        let t = ck.files.get(&expert_name(l, e0 + i, p)).unwrap();
+                        let t = ck.files.get(&expert_name(c, l, e0 + i, p)).unwrap();
                         (t.end - t.start) as u64
                     })
                     .sum();
@@ -374,7 +553,11 @@ pub fn convert<W: std::io::Write + std::io::Seek>(
         hf_config: ck.hf_config.clone(),
         text: ck.text.clone(),
         generation: ck.generation.clone(),
-        quant: QuantInfo { experts: opts.experts, scout: opts.scout, group_size: crate::quant::GROUP },
+        quant: QuantInfo {
+            experts: opts.experts,
+            scout: opts.scout,
+            group_size: crate::quant::GROUP,
+        },
         tensors: vec![],
         experts: None,
         writer: format!("smoe {}", env!("CARGO_PKG_VERSION")),
@@ -384,7 +567,12 @@ pub fn convert<W: std::io::Write + std::io::Seek>(
 
 /// Converts `dir` into `out`, writing to `out.partial` and renaming at the end so a failed or
 /// interrupted conversion never leaves a file that looks complete.
-pub fn convert_to_path(dir: &Path, out: &Path, opts: ConvertOptions, progress: &mut dyn Progress) -> Result<u64> {
+pub fn convert_to_path(
+    dir: &Path,
+    out: &Path,
+    opts: ConvertOptions,
+    progress: &mut dyn Progress,
+) -> Result<u64> {
     let ck = HfCheckpoint::open(dir)?;
     convert_checkpoint_to_path(&ck, out, opts, progress)
 }
@@ -401,7 +589,9 @@ pub fn convert_checkpoint_to_path(
     let result = (|| {
         let w = VaultWriter::create(&tmp)?;
         let (len, buf) = convert(ck, opts, w, progress)?;
-        let file = buf.into_inner().map_err(|e| VaultError::io(&tmp, e.into_error()))?;
+        let file = buf
+            .into_inner()
+            .map_err(|e| VaultError::io(&tmp, e.into_error()))?;
         file.sync_all().map_err(|e| VaultError::io(&tmp, e))?;
         std::fs::rename(&tmp, out).map_err(|e| VaultError::io(out, e))?;
         Ok(len)

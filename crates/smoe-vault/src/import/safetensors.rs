@@ -46,7 +46,11 @@ pub struct TensorFiles {
 
 impl TensorFiles {
     pub fn open(paths: &[PathBuf]) -> Result<Self> {
-        let mut tf = TensorFiles { paths: vec![], maps: vec![], tensors: BTreeMap::new() };
+        let mut tf = TensorFiles {
+            paths: vec![],
+            maps: vec![],
+            tensors: BTreeMap::new(),
+        };
         for p in paths {
             tf.add_file(p)?;
         }
@@ -57,28 +61,42 @@ impl TensorFiles {
         let file = File::open(path).map_err(|e| VaultError::io(path, e))?;
         // SAFETY: read-only mapping of an input file; every range is checked against its length.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| VaultError::io(path, e))?;
-        let trunc = |reason: String| VaultError::Truncated { path: path.to_path_buf(), reason };
+        let trunc = |reason: String| VaultError::Truncated {
+            path: path.to_path_buf(),
+            reason,
+        };
         if map.len() < 8 {
             return Err(trunc("shorter than the 8-byte safetensors length".into()));
         }
         let n = u64::from_le_bytes(map[0..8].try_into().unwrap()) as usize;
         if n > 100 << 20 {
-            return Err(VaultError::Format { path: path.to_path_buf(), reason: "not a safetensors file (header length is absurd)".into() });
+            return Err(VaultError::Format {
+                path: path.to_path_buf(),
+                reason: "not a safetensors file (header length is absurd)".into(),
+            });
         }
         if 8 + n > map.len() {
-            return Err(trunc(format!("header needs {} bytes, the file has {}", 8 + n, map.len())));
+            return Err(trunc(format!(
+                "header needs {} bytes, the file has {}",
+                8 + n,
+                map.len()
+            )));
         }
-        let header: BTreeMap<String, Value> = serde_json::from_slice(&map[8..8 + n]).map_err(|e| VaultError::Format {
-            path: path.to_path_buf(),
-            reason: format!("safetensors header: {e}"),
-        })?;
+        let header: BTreeMap<String, Value> =
+            serde_json::from_slice(&map[8..8 + n]).map_err(|e| VaultError::Format {
+                path: path.to_path_buf(),
+                reason: format!("safetensors header: {e}"),
+            })?;
         let idx = self.maps.len();
         let data_len = map.len() - 8 - n;
         for (name, v) in header {
             if name == "__metadata__" {
                 continue;
             }
-            let bad = |r: &str| VaultError::Format { path: path.to_path_buf(), reason: format!("tensor {name}: {r}") };
+            let bad = |r: &str| VaultError::Format {
+                path: path.to_path_buf(),
+                reason: format!("tensor {name}: {r}"),
+            };
             let dtype = match v.get("dtype").and_then(Value::as_str) {
                 Some("F32") => SrcDType::F32,
                 Some("F16") => SrcDType::F16,
@@ -99,8 +117,14 @@ impl TensorFiles {
                 .map(|d| d.as_u64().map(|x| x as usize))
                 .collect::<Option<_>>()
                 .ok_or_else(|| bad("bad shape"))?;
-            let off = v.get("data_offsets").and_then(Value::as_array).ok_or_else(|| bad("no data_offsets"))?;
-            let (s, e) = match (off.first().and_then(Value::as_u64), off.get(1).and_then(Value::as_u64)) {
+            let off = v
+                .get("data_offsets")
+                .and_then(Value::as_array)
+                .ok_or_else(|| bad("no data_offsets"))?;
+            let (s, e) = match (
+                off.first().and_then(Value::as_u64),
+                off.get(1).and_then(Value::as_u64),
+            ) {
                 (Some(s), Some(e)) if s <= e => (s as usize, e as usize),
                 _ => return Err(bad("bad data_offsets")),
             };
@@ -108,11 +132,22 @@ impl TensorFiles {
                 return Err(bad("data length does not match shape and dtype"));
             }
             if e > data_len {
-                return Err(trunc(format!("tensor {name} ends at byte {} but the file has {}", 8 + n + e, map.len())));
+                return Err(trunc(format!(
+                    "tensor {name} ends at byte {} but the file has {}",
+                    8 + n + e,
+                    map.len()
+                )));
             }
             self.tensors.insert(
                 name.clone(),
-                SrcTensor { name, dtype, shape, file: idx, start: 8 + n + s, end: 8 + n + e },
+                SrcTensor {
+                    name,
+                    dtype,
+                    shape,
+                    file: idx,
+                    start: 8 + n + s,
+                    end: 8 + n + e,
+                },
             );
         }
         self.paths.push(path.to_path_buf());
@@ -130,9 +165,18 @@ impl TensorFiles {
         let es = t.dtype.size();
         let bytes = &self.maps[t.file][t.start + r0 * cols * es..t.start + r1 * cols * es];
         match t.dtype {
-            SrcDType::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect(),
-            SrcDType::Bf16 => bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-            SrcDType::F16 => bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            SrcDType::F32 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect(),
+            SrcDType::Bf16 => bytes
+                .chunks_exact(2)
+                .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            SrcDType::F16 => bytes
+                .chunks_exact(2)
+                .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
         }
     }
 

@@ -1,9 +1,16 @@
-//! Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder): the decoder, as the math reads.
+//! The MoE decoder shared by every supported family, as the math reads:
 //!
 //! x = embed(tokens)
-//! per layer: x += o(attn(rope(qnorm(q(n1(x)))), rope(knorm(k(n1(x)))), v(n1(x))))
-//!            x += moe(n2(x))  or  mlp(n2(x))
+//! per layer: h = n1(x); q, k, v = proj(h) (+ bias) → qk-norm → clip → rope
+//!            x += o(attn(q, k, v))                    (causal; sliding window if any)
+//!            h = n2(x)
+//!            x += Σ_top-k w_e · expert_e(h) + σ(g·h) · shared(h)   or   mlp(h)
 //! logits = lm_head(norm(x))
+//!
+//! What differs between families is data, not code (see `docs/models.md`):
+//! Qwen3-MoE normalises q and k per head; OLMoE over the whole projection and clips q, k, v;
+//! Qwen2-MoE biases q, k, v and adds a sigmoid-gated shared expert; Mixtral has none of these
+//! but a sliding attention window and always renormalised top-k weights.
 
 use super::{mat, Logits, Scratch};
 use crate::error::EngineError;
@@ -11,6 +18,7 @@ use crate::experts::ExpertStore;
 use crate::kv_cache::KvCache;
 use crate::rope::RopeTable;
 use smoe_compute::cpu::{self, matmul, ops, QMatRef};
+use smoe_vault::config::QkNorm;
 use smoe_vault::{FfnKind, ModelConfig, TensorData, Vault};
 
 struct Attention {
@@ -18,13 +26,24 @@ struct Attention {
     k: TensorData,
     v: TensorData,
     o: TensorData,
-    q_norm: Vec<f32>,
-    k_norm: Vec<f32>,
+    /// q, k, v biases (Qwen2-MoE).
+    bias: Option<[Vec<f32>; 3]>,
+    /// q and k norm weights: `head_dim` long (per head) or the projection's width (whole).
+    qk_norm: Option<(Vec<f32>, Vec<f32>)>,
+}
+
+struct Mlp {
+    gate: TensorData,
+    up: TensorData,
+    down: TensorData,
 }
 
 enum Ffn {
-    Dense { gate: TensorData, up: TensorData, down: TensorData },
-    Moe { router: TensorData },
+    Dense(Mlp),
+    Moe {
+        router: TensorData,
+        shared: Option<(Mlp, TensorData)>,
+    },
 }
 
 struct Layer {
@@ -34,7 +53,7 @@ struct Layer {
     ffn: Ffn,
 }
 
-pub struct Qwen3Moe {
+pub struct Decoder {
     pub cfg: ModelConfig,
     embed: TensorData,
     layers: Vec<Layer>,
@@ -44,39 +63,73 @@ pub struct Qwen3Moe {
     experts: ExpertStore,
 }
 
-impl Qwen3Moe {
+impl Decoder {
     pub fn load(vault: &Vault) -> Result<Self, EngineError> {
         let cfg = vault.header.config.clone();
         let t = |n: &str| vault.tensor(n);
         let v = |n: &str| vault.tensor(n).map(|t| t.to_f32());
         let mut layers = Vec::with_capacity(cfg.num_layers);
+        let mlp = |p: &str| -> Result<Mlp, EngineError> {
+            Ok(Mlp {
+                gate: t(&format!("{p}.gate_proj.weight"))?,
+                up: t(&format!("{p}.up_proj.weight"))?,
+                down: t(&format!("{p}.down_proj.weight"))?,
+            })
+        };
         for l in 0..cfg.num_layers {
             let p = format!("model.layers.{l}");
+            let a = format!("{p}.self_attn");
             let ffn = match cfg.ffn[l] {
-                FfnKind::Moe => Ffn::Moe { router: t(&format!("{p}.mlp.gate.weight"))? },
-                FfnKind::Dense => Ffn::Dense {
-                    gate: t(&format!("{p}.mlp.gate_proj.weight"))?,
-                    up: t(&format!("{p}.mlp.up_proj.weight"))?,
-                    down: t(&format!("{p}.mlp.down_proj.weight"))?,
+                FfnKind::Moe => Ffn::Moe {
+                    router: t(&format!("{p}.mlp.gate.weight"))?,
+                    shared: if cfg.shared_expert_intermediate_size > 0 {
+                        Some((
+                            mlp(&format!("{p}.mlp.shared_expert"))?,
+                            t(&format!("{p}.mlp.shared_expert_gate.weight"))?,
+                        ))
+                    } else {
+                        None
+                    },
                 },
+                FfnKind::Dense => Ffn::Dense(mlp(&format!("{p}.mlp"))?),
+            };
+            let bias = if cfg.qkv_bias {
+                Some([
+                    v(&format!("{a}.q_proj.bias"))?,
+                    v(&format!("{a}.k_proj.bias"))?,
+                    v(&format!("{a}.v_proj.bias"))?,
+                ])
+            } else {
+                None
+            };
+            let qk_norm = match cfg.qk_norm {
+                QkNorm::None => None,
+                QkNorm::PerHead | QkNorm::Full => Some((
+                    v(&format!("{a}.q_norm.weight"))?,
+                    v(&format!("{a}.k_norm.weight"))?,
+                )),
             };
             layers.push(Layer {
                 input_norm: v(&format!("{p}.input_layernorm.weight"))?,
                 post_norm: v(&format!("{p}.post_attention_layernorm.weight"))?,
                 attn: Attention {
-                    q: t(&format!("{p}.self_attn.q_proj.weight"))?,
-                    k: t(&format!("{p}.self_attn.k_proj.weight"))?,
-                    v: t(&format!("{p}.self_attn.v_proj.weight"))?,
-                    o: t(&format!("{p}.self_attn.o_proj.weight"))?,
-                    q_norm: v(&format!("{p}.self_attn.q_norm.weight"))?,
-                    k_norm: v(&format!("{p}.self_attn.k_norm.weight"))?,
+                    q: t(&format!("{a}.q_proj.weight"))?,
+                    k: t(&format!("{a}.k_proj.weight"))?,
+                    v: t(&format!("{a}.v_proj.weight"))?,
+                    o: t(&format!("{a}.o_proj.weight"))?,
+                    bias,
+                    qk_norm,
                 },
                 ffn,
             });
         }
         let embed = t("model.embed_tokens.weight")?;
-        let lm_head = if cfg.tie_word_embeddings { embed.clone() } else { t("lm_head.weight")? };
-        Ok(Qwen3Moe {
+        let lm_head = if cfg.tie_word_embeddings {
+            embed.clone()
+        } else {
+            t("lm_head.weight")?
+        };
+        Ok(Decoder {
             rope: RopeTable::new(&cfg.rope, cfg.head_dim),
             experts: ExpertStore::new(vault)?,
             norm: v("model.norm.weight")?,
@@ -93,18 +146,31 @@ impl Qwen3Moe {
 
     /// Runs `tokens` (positions `kv.len..`) through the model, appending to the KV cache, and
     /// returns logits (`[rows, vocab]`) for the positions `want` asks for.
-    pub fn forward(&self, kv: &mut KvCache, tokens: &[u32], want: Logits, s: &mut Scratch) -> Result<Vec<f32>, EngineError> {
+    pub fn forward(
+        &self,
+        kv: &mut KvCache,
+        tokens: &[u32],
+        want: Logits,
+        s: &mut Scratch,
+    ) -> Result<Vec<f32>, EngineError> {
         let c = &self.cfg;
         kv.check_room(tokens.len())?;
         if let Some(&id) = tokens.iter().find(|&&id| id as usize >= c.vocab_size) {
-            return Err(EngineError::TokenOutOfRange { id, vocab: c.vocab_size });
+            return Err(EngineError::TokenOutOfRange {
+                id,
+                vocab: c.vocab_size,
+            });
         }
         let (h, t) = (c.hidden_size, tokens.len());
         let pos0 = kv.len;
         s.x.resize(t * h, 0.0);
         let embed = mat(&self.embed);
         for (i, &id) in tokens.iter().enumerate() {
-            smoe_vault::quant::dequantize_row(embed.dtype, embed.row(id as usize), &mut s.x[i * h..(i + 1) * h]);
+            smoe_vault::quant::dequantize_row(
+                embed.dtype,
+                embed.row(id as usize),
+                &mut s.x[i * h..(i + 1) * h],
+            );
         }
         for (l, layer) in self.layers.iter().enumerate() {
             s.h.resize(t * h, 0.0);
@@ -112,8 +178,16 @@ impl Qwen3Moe {
             self.attention(l, &layer.attn, kv, pos0, s)?;
             ops::rms_norm(&s.x, &layer.post_norm, c.rms_norm_eps as f32, &mut s.h);
             match &layer.ffn {
-                Ffn::Dense { gate, up, down } => dense_mlp(mat(gate), mat(up), mat(down), t, s),
-                Ffn::Moe { router } => self.moe(l, mat(router), t, s)?,
+                Ffn::Dense(m) => {
+                    let out = m.forward(&s.h, t);
+                    add_into(&mut s.x, &out);
+                }
+                Ffn::Moe { router, shared } => {
+                    self.moe(l, mat(router), t, s)?;
+                    if let Some((m, gate)) = shared {
+                        shared_expert(m, mat(gate), t, s);
+                    }
+                }
             }
         }
         kv.len += t;
@@ -125,7 +199,12 @@ impl Qwen3Moe {
         };
         let mut hn = vec![0f32; rows.len() * h];
         for (j, &r) in rows.iter().enumerate() {
-            ops::rms_norm(&s.x[r * h..(r + 1) * h], &self.norm, c.rms_norm_eps as f32, &mut hn[j * h..(j + 1) * h]);
+            ops::rms_norm(
+                &s.x[r * h..(r + 1) * h],
+                &self.norm,
+                c.rms_norm_eps as f32,
+                &mut hn[j * h..(j + 1) * h],
+            );
         }
         let mut logits = vec![0f32; rows.len() * c.vocab_size];
         if !rows.is_empty() {
@@ -134,7 +213,14 @@ impl Qwen3Moe {
         Ok(logits)
     }
 
-    fn attention(&self, l: usize, a: &Attention, kv: &mut KvCache, pos0: usize, s: &mut Scratch) -> Result<(), EngineError> {
+    fn attention(
+        &self,
+        l: usize,
+        a: &Attention,
+        kv: &mut KvCache,
+        pos0: usize,
+        s: &mut Scratch,
+    ) -> Result<(), EngineError> {
         let c = &self.cfg;
         let (hd, t) = (c.head_dim, s.h.len() / c.hidden_size);
         let (qw, kw) = (c.num_heads * hd, c.num_kv_heads * hd);
@@ -145,8 +231,21 @@ impl Qwen3Moe {
         matmul(mat(&a.q), &s.h, t, &mut s.q);
         matmul(mat(&a.k), &s.h, t, &mut s.k);
         matmul(mat(&a.v), &s.h, t, &mut s.v);
-        ops::rms_norm_inplace(&mut s.q, &a.q_norm, eps);
-        ops::rms_norm_inplace(&mut s.k, &a.k_norm, eps);
+        if let Some([bq, bk, bv]) = &a.bias {
+            add_rows(&mut s.q, bq);
+            add_rows(&mut s.k, bk);
+            add_rows(&mut s.v, bv);
+        }
+        // The norm weight's length says per head or whole projection: rows of that width.
+        if let Some((qn, kn)) = &a.qk_norm {
+            ops::rms_norm_inplace(&mut s.q, qn, eps);
+            ops::rms_norm_inplace(&mut s.k, kn, eps);
+        }
+        if let Some(clip) = c.clip_qkv {
+            for x in s.q.iter_mut().chain(s.k.iter_mut()).chain(s.v.iter_mut()) {
+                *x = x.clamp(-clip, clip);
+            }
+        }
         let half = self.rope.half();
         let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
         for i in 0..t {
@@ -161,13 +260,12 @@ impl Qwen3Moe {
             n_kv_heads: c.num_kv_heads,
             head_dim: hd,
             scale: (hd as f32).powf(-0.5),
+            window: c.sliding_window,
         };
         ops::attention(&s.q, &kv.k[l], &kv.v[l], pos0, shape, &mut s.attn);
         s.o.resize(t * c.hidden_size, 0.0);
         matmul(mat(&a.o), &s.attn, t, &mut s.o);
-        for (x, o) in s.x.iter_mut().zip(&s.o) {
-            *x += o;
-        }
+        add_into(&mut s.x, &s.o);
         Ok(())
     }
 
@@ -187,7 +285,10 @@ impl Qwen3Moe {
         for (e, routed) in by_expert.iter().enumerate().filter(|(_, r)| !r.is_empty()) {
             let ex = self.experts.get(l, e)?;
             let n = routed.len();
-            let xs: Vec<f32> = routed.iter().flat_map(|&(i, _)| s.h[i * h..(i + 1) * h].iter().copied()).collect();
+            let xs: Vec<f32> = routed
+                .iter()
+                .flat_map(|&(i, _)| s.h[i * h..(i + 1) * h].iter().copied())
+                .collect();
             let out = swiglu(ex.gate, ex.up, ex.down, &xs, n);
             for (j, &(i, w)) in routed.iter().enumerate() {
                 ops::axpy(&mut s.x[i * h..(i + 1) * h], w, &out[j * h..(j + 1) * h]);
@@ -209,9 +310,36 @@ fn swiglu(gate: QMatRef, up: QMatRef, down: QMatRef, x: &[f32], n: usize) -> Vec
     out
 }
 
-fn dense_mlp(gate: QMatRef, up: QMatRef, down: QMatRef, t: usize, s: &mut Scratch) {
-    let out = swiglu(gate, up, down, &s.h, t);
-    for (x, o) in s.x.iter_mut().zip(&out) {
-        *x += o;
+impl Mlp {
+    fn forward(&self, x: &[f32], n: usize) -> Vec<f32> {
+        swiglu(mat(&self.gate), mat(&self.up), mat(&self.down), x, n)
+    }
+}
+
+/// x += σ(gate · h) · shared(h), per token (Qwen2-MoE's always-on expert).
+fn shared_expert(m: &Mlp, gate: QMatRef, t: usize, s: &mut Scratch) {
+    let h = s.h.len() / t;
+    let out = m.forward(&s.h, t);
+    let mut g = vec![0f32; t];
+    matmul(gate, &s.h, t, &mut g);
+    for (i, gi) in g.iter().enumerate() {
+        ops::axpy(
+            &mut s.x[i * h..(i + 1) * h],
+            1.0 / (1.0 + (-gi).exp()),
+            &out[i * h..(i + 1) * h],
+        );
+    }
+}
+
+fn add_into(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+/// Adds `bias` to every row of `x`.
+fn add_rows(x: &mut [f32], bias: &[f32]) {
+    for row in x.chunks_exact_mut(bias.len()) {
+        add_into(row, bias);
     }
 }
