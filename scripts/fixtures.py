@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Tiny random Qwen3-MoE checkpoints for smoe's tests, and their transformers reference outputs.
+"""Tiny random MoE checkpoints (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE) for smoe's tests, and their
+transformers reference outputs.
 
 The checkpoints are generated deterministically with integer-only arithmetic; the Rust crate
 `crates/smoe-fixtures` generates byte-identical files (see tests/fixtures/README.md for the rules).
@@ -109,16 +110,76 @@ def num_experts(cfg):
     return cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]
 
 
+# What differs between the MoE families, as far as the checkpoint's tensors go (transformers 5.17's
+# modeling_{qwen3_moe,mixtral,olmoe,qwen2_moe}.py):
+#   moe:            the sparse block's module name in the hub checkpoint
+#   experts:        the names of an expert's gate (silu), up and down projections
+#   expert_width:   the config key of an expert's intermediate size
+#   qk_norm:        None | "head" (RMSNorm over each head's head_dim) | "projection" (RMSNorm over the
+#                   whole q projection, [num_heads*head_dim], and k projection, [num_kv_heads*head_dim])
+#   qkv_bias:       q/k/v projections carry a bias (Qwen2-MoE: config.qkv_bias, default true; o_proj never)
+#   shared_expert:  a shared expert MLP (shared_expert_intermediate_size) and its sigmoid gate [1, H]
+#   dense_layers:   layers can be dense (mlp_only_layers, decoder_sparse_step); else every layer is sparse
+FAMILIES = {
+    "qwen3_moe": dict(
+        moe="mlp", experts=("gate_proj", "up_proj", "down_proj"), expert_width="moe_intermediate_size",
+        qk_norm="head", qkv_bias=False, shared_expert=False, dense_layers=True,
+    ),
+    "mixtral": dict(
+        moe="block_sparse_moe", experts=("w1", "w3", "w2"), expert_width="intermediate_size",
+        qk_norm=None, qkv_bias=False, shared_expert=False, dense_layers=False,
+    ),
+    "olmoe": dict(
+        moe="mlp", experts=("gate_proj", "up_proj", "down_proj"), expert_width="intermediate_size",
+        qk_norm="projection", qkv_bias=False, shared_expert=False, dense_layers=False,
+    ),
+    "qwen2_moe": dict(
+        moe="mlp", experts=("gate_proj", "up_proj", "down_proj"), expert_width="moe_intermediate_size",
+        qk_norm=None, qkv_bias=True, shared_expert=True, dense_layers=True,
+    ),
+}
+
+
+def family(cfg):
+    mt = cfg["model_type"]
+    if mt not in FAMILIES:
+        raise SystemExit(f"unsupported model_type {mt!r}; known: {sorted(FAMILIES)}")
+    fam = FAMILIES[mt]
+    if cfg.get("attention_bias"):
+        raise SystemExit(f"{mt}: attention_bias true is not generated")
+    if mt == "qwen2_moe":
+        fam = dict(fam, qkv_bias=cfg.get("qkv_bias", True))
+    return fam
+
+
+def head_dim(cfg):
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
 def layer_is_sparse(cfg, layer):
+    """Qwen-MoE's rule (not in mlp_only_layers, (layer+1) % decoder_sparse_step == 0); Mixtral and
+    OLMoE have only sparse layers."""
+    if not family(cfg)["dense_layers"]:
+        return True
     mlp_only = cfg.get("mlp_only_layers") or []
     step = cfg.get("decoder_sparse_step", 1)
     return layer not in mlp_only and num_experts(cfg) > 0 and (layer + 1) % step == 0
 
 
+def mlp_tensors(p, h, width, names=("gate_proj", "up_proj", "down_proj")):
+    gate, up, down = names
+    return [
+        (p + gate + ".weight", [width, h], "matrix"),
+        (p + up + ".weight", [width, h], "matrix"),
+        (p + down + ".weight", [h, width], "matrix"),
+    ]
+
+
 def tensor_list(cfg):
-    """[(name, shape, kind)] sorted by name; kind: embed | matrix | router | lm_head | norm."""
+    """[(name, shape, kind)] sorted by name; kind: embed | matrix | router | lm_head | norm | bias."""
+    fam = family(cfg)
     h = cfg["hidden_size"]
-    hd = cfg.get("head_dim", h // cfg["num_attention_heads"])
+    hd = head_dim(cfg)
     nh = cfg["num_attention_heads"]
     nkv = cfg["num_key_value_heads"]
     v = cfg["vocab_size"]
@@ -137,27 +198,36 @@ def tensor_list(cfg):
             (p + "self_attn.k_proj.weight", [nkv * hd, h], "matrix"),
             (p + "self_attn.v_proj.weight", [nkv * hd, h], "matrix"),
             (p + "self_attn.o_proj.weight", [h, nh * hd], "matrix"),
-            (p + "self_attn.q_norm.weight", [hd], "norm"),
-            (p + "self_attn.k_norm.weight", [hd], "norm"),
         ]
-        if layer_is_sparse(cfg, L):
-            mi = cfg["moe_intermediate_size"]
-            out.append((p + "mlp.gate.weight", [num_experts(cfg), h], "router"))
-            for E in range(num_experts(cfg)):
-                q = f"{p}mlp.experts.{E}."
-                out += [
-                    (q + "gate_proj.weight", [mi, h], "matrix"),
-                    (q + "up_proj.weight", [mi, h], "matrix"),
-                    (q + "down_proj.weight", [h, mi], "matrix"),
-                ]
-        else:
-            i = cfg["intermediate_size"]
+        if fam["qkv_bias"]:
             out += [
-                (p + "mlp.gate_proj.weight", [i, h], "matrix"),
-                (p + "mlp.up_proj.weight", [i, h], "matrix"),
-                (p + "mlp.down_proj.weight", [h, i], "matrix"),
+                (p + "self_attn.q_proj.bias", [nh * hd], "bias"),
+                (p + "self_attn.k_proj.bias", [nkv * hd], "bias"),
+                (p + "self_attn.v_proj.bias", [nkv * hd], "bias"),
             ]
+        if fam["qk_norm"] == "head":
+            out += [(p + "self_attn.q_norm.weight", [hd], "norm"), (p + "self_attn.k_norm.weight", [hd], "norm")]
+        elif fam["qk_norm"] == "projection":
+            out += [
+                (p + "self_attn.q_norm.weight", [nh * hd], "norm"),
+                (p + "self_attn.k_norm.weight", [nkv * hd], "norm"),
+            ]
+        if layer_is_sparse(cfg, L):
+            m = p + fam["moe"] + "."
+            width = cfg[fam["expert_width"]]
+            out.append((m + "gate.weight", [num_experts(cfg), h], "router"))
+            for E in range(num_experts(cfg)):
+                out += mlp_tensors(f"{m}experts.{E}.", h, width, fam["experts"])
+            if fam["shared_expert"]:
+                out += mlp_tensors(m + "shared_expert.", h, cfg["shared_expert_intermediate_size"])
+                # the shared expert's sigmoid gate follows the router rule (matrix scale * 4)
+                out.append((m + "shared_expert_gate.weight", [1, h], "router"))
+        else:
+            out += mlp_tensors(p + "mlp.", h, cfg["intermediate_size"])
     out.sort(key=lambda t: t[0].encode())
+    names = [t[0] for t in out]
+    assert len(set(names)) == len(names), "duplicate tensor name"
+    assert all((kind == "bias") == n.endswith(".bias") for n, _, kind in out)
     return out
 
 
@@ -167,6 +237,8 @@ def tensor_values(name, shape, kind, seed):
     k = tensor_bytes_k(name, seed, n)
     if kind == "norm":
         vals = (((k >> 4) + 24).astype(np.float32)) / np.float32(32.0)  # 1 + ((k>>4) - 8) / 32
+    elif kind == "bias":
+        vals = (((k >> 4) - 8).astype(np.float32)) / np.float32(64.0)  # ((k>>4) - 8) / 64
     else:
         e = 0 if kind == "embed" else scale_exponent(shape[1])
         if kind in ("router", "lm_head"):
@@ -274,6 +346,57 @@ def r6(x):
     return 0.0 if v == 0 else v
 
 
+EXPERT_RE = re.compile(
+    r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight"
+)
+
+
+def loaded_tensor(sd, tname, cfg):
+    """The loaded model's copy of hub tensor `tname`: transformers 5 fuses each sparse layer's
+    experts into `mlp.experts.gate_up_proj` [E, 2*I, H] (gate rows first, then up) and
+    `mlp.experts.down_proj` [E, H, I], and renames Mixtral's `block_sparse_moe.` to `mlp.`."""
+    m = EXPERT_RE.fullmatch(tname)
+    if m:
+        L, E, proj = int(m[1]), int(m[2]), m[3]
+        width = cfg[family(cfg)["expert_width"]]
+        if proj in ("down_proj", "w2"):
+            return f"model.layers.{L}.mlp.experts.down_proj", sd[f"model.layers.{L}.mlp.experts.down_proj"][E]
+        key = f"model.layers.{L}.mlp.experts.gate_up_proj"
+        gu = sd[key][E]
+        return key, (gu[:width] if proj in ("gate_proj", "w1") else gu[width:])
+    key = tname.replace(".block_sparse_moe.", ".mlp.")
+    return key, sd[key]
+
+
+ROUTER = {
+    # read off transformers 5.17's *TopKRouter.forward; the softmax runs in float32
+    "mixtral": lambda cfg: "softmax over all experts, top-k of the probabilities, divided by their sum "
+    "(= softmax over the top-k logits); no norm_topk_prob option",
+    "olmoe": lambda cfg: "softmax over all experts, top-k of the probabilities"
+    + (", divided by their sum" if cfg.get("norm_topk_prob") else ", not renormalised (norm_topk_prob false)"),
+    "qwen2_moe": lambda cfg: "softmax over all experts, top-k of the probabilities"
+    + (", divided by their sum" if cfg.get("norm_topk_prob") else ", not renormalised (norm_topk_prob false)")
+    + "; plus sigmoid(shared_expert_gate . x) * shared_expert(x)",
+    "qwen3_moe": lambda cfg: "softmax over all experts, top-k of the probabilities"
+    + (", divided by their sum" if cfg.get("norm_topk_prob") else ", not renormalised (norm_topk_prob false)"),
+}
+
+
+def attention_pattern(model, ids):
+    """Per layer, the keys each query attended to (probability > 0), from eager attention's
+    probabilities; returns the distinct patterns as sets of (query, key)."""
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.tensor([ids], dtype=torch.long), use_cache=False, output_attentions=True)
+    patterns = []
+    for att in out.attentions:  # [1, heads, q, k]
+        visible = (att[0] > 0).all(dim=0)
+        assert torch.equal(visible, (att[0] > 0).any(dim=0)), "heads differ in their mask"
+        patterns.append(visible)
+    return patterns
+
+
 def reference(outdir):
     import torch
     import transformers
@@ -285,9 +408,13 @@ def reference(outdir):
     specs = load_specs()
     vocab_tok = specs["tokenizer_vocab"]
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    only = os.environ.get("FIXTURES_ONLY")  # comma-separated names, for quick runs
     for spec in specs["fixtures"]:
         name = spec["name"]
+        if only and name not in only.split(","):
+            continue
         cfg = spec["config"]
+        mt = cfg["model_type"]
         with tempfile.TemporaryDirectory() as d:
             files = write_checkpoint(name, d)
             model, info = AutoModelForCausalLM.from_pretrained(
@@ -301,38 +428,32 @@ def reference(outdir):
         print(f"== {name}: {type(model).__name__}, loading info {info}")
         for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
             assert not info.get(key), f"{name}: {key} = {info.get(key)}"
+        assert type(model).__name__ == cfg["architectures"][0], type(model).__name__
         mcfg = model.config
         assert mcfg.num_experts == num_experts(cfg), (mcfg.num_experts, num_experts(cfg))
 
-        # every generated tensor arrived unchanged
+        # every generated tensor arrived unchanged, and every parameter came from one of them
         sd = model.state_dict()
         checked = 0
+        covered = set()
         for tname, shape, kind in tensor_list(cfg):
             want = torch.from_numpy(tensor_values(tname, shape, kind, spec["seed"]))
-            m = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", tname)
-            if m:
-                L, E, proj = int(m[1]), int(m[2]), m[3]
-                mi = cfg["moe_intermediate_size"]
-                if proj == "down":
-                    got = sd[f"model.layers.{L}.mlp.experts.down_proj"][E]
-                else:
-                    gu = sd[f"model.layers.{L}.mlp.experts.gate_up_proj"][E]
-                    got = gu[:mi] if proj == "gate" else gu[mi:]
-            else:
-                got = sd[tname]
+            key, got = loaded_tensor(sd, tname, cfg)
             assert torch.equal(got, want), f"{name}: {tname} differs after loading"
+            covered.add(key)
             checked += 1
         if cfg.get("tie_word_embeddings"):
             assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
-        print(f"   {checked} tensors identical after loading")
+            covered.add("lm_head.weight")
+        assert covered == set(sd), f"{name}: parameters not covered: {set(sd) - covered}"
+        print(f"   {checked} tensors identical after loading; all {len(sd)} parameters covered")
 
         # dense and sparse layers where expected
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeMLP, Qwen3MoeSparseMoeBlock
-
         layers = []
         for L, layer in enumerate(model.model.layers):
-            kind = "sparse" if isinstance(layer.mlp, Qwen3MoeSparseMoeBlock) else "dense"
-            assert isinstance(layer.mlp, Qwen3MoeSparseMoeBlock if kind == "sparse" else Qwen3MoeMLP)
+            cls = type(layer.mlp).__name__
+            kind = "sparse" if cls.endswith("SparseMoeBlock") else "dense"
+            assert kind == "sparse" or cls.endswith("MLP"), cls
             expect = "sparse" if layer_is_sparse(cfg, L) else "dense"
             assert kind == expect, f"{name}: layer {L} is {kind}, expected {expect}"
             layers.append(kind)
@@ -342,19 +463,157 @@ def reference(outdir):
         rope_type = rot.rope_type
         inv_freq = rot.inv_freq.detach().double().tolist()
         scaling = float(rot.attention_scaling)
-        print(f"   rope_type {rope_type}, attention_scaling {scaling!r}")
+        print(f"   rope_type {rope_type}, attention_scaling {scaling!r}, head_dim {2 * len(inv_freq)}")
         print(f"   inv_freq {[float(f'{x:.6g}') for x in inv_freq]}")
         expected_rope = (cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}).get("rope_type", "default")
         assert rope_type == expected_rope, (rope_type, expected_rope)
+        assert 2 * len(inv_freq) == head_dim(cfg)
 
         def forward(ids):
             with torch.no_grad():
                 out = model(torch.tensor([ids], dtype=torch.long), use_cache=False)
             return out.logits[0].double()
 
+        prompt_ids = [prompt_tokens(p["seed"], p["len"], vocab_tok) for p in spec["prompts"]]
+        longest = max(prompt_ids, key=len)
+
+        def effect(change, restore):
+            """max |Δ log-prob| of the prompts' tokens when a feature is switched off."""
+            base = [torch.log_softmax(forward(ids), -1) for ids in prompt_ids]
+            change()
+            try:
+                alt = [torch.log_softmax(forward(ids), -1) for ids in prompt_ids]
+            finally:
+                restore()
+            worst = 0.0
+            for ids, a, b in zip(prompt_ids, base, alt):
+                t = torch.tensor(ids[1:])
+                worst = max(worst, float((a[:-1].gather(1, t[:, None]) - b[:-1].gather(1, t[:, None])).abs().max()))
+            return r6(worst)
+
+        extra = {"model_type": mt, "router": ROUTER[mt](cfg)}
+        # The attention mask each layer really used: with eager attention a masked key gets
+        # probability exactly 0.
+        n = len(longest)
+        window = getattr(mcfg, "sliding_window", None)
+        pats = attention_pattern(model, longest)
+        qi = torch.arange(n)[:, None]
+        kj = torch.arange(n)[None, :]
+        causal = kj <= qi
+        per_layer = []
+        for L, vis in enumerate(pats):
+            if torch.equal(vis, causal):
+                per_layer.append("causal")
+            elif window and torch.equal(vis, causal & (kj > qi - window)):
+                per_layer.append(f"sliding {window}")
+            else:
+                raise AssertionError(f"{name}: layer {L} attention pattern is neither causal nor the window")
+        applied = any(x != "causal" for x in per_layer)
+        sw = {
+            "config_sliding_window": cfg.get("sliding_window"),
+            "config_use_sliding_window": cfg.get("use_sliding_window"),
+            "applied": applied,
+            "layers": per_layer,
+            "checked_on_prompt_len": n,
+        }
+        if applied:
+            sw["rule"] = f"query i attends key j iff i - {window} < j <= i ({window} keys including itself)"
+            sw["keys_per_query_last"] = int(pats[0][-1].sum())
+            saved = mcfg.sliding_window
+            sw["effect_max_abs_logprob"] = effect(lambda: setattr(mcfg, "sliding_window", None),
+                                                  lambda: setattr(mcfg, "sliding_window", saved))
+        elif mt == "qwen2_moe" and cfg.get("sliding_window"):
+            # use_sliding_window false: transformers ignores sliding_window. How much an engine that
+            # applied it anyway would be off (the window switched on for every layer):
+            saved = (mcfg.sliding_window, list(mcfg.layer_types))
+
+            def on():
+                mcfg.sliding_window = cfg["sliding_window"]
+                mcfg.layer_types = ["sliding_attention"] * len(saved[1])
+
+            def off():
+                mcfg.sliding_window, mcfg.layer_types = saved[0], saved[1]
+
+            sw["effect_if_applied_max_abs_logprob"] = effect(on, off)
+        extra["sliding_window_applied"] = sw
+        print(f"   sliding window: {sw}")
+
+        if mt == "olmoe" and cfg.get("clip_qkv") is not None:
+            clip = cfg["clip_qkv"]
+            counts = {"q": 0, "k": 0, "v": 0}
+            totals = {"q": 0, "k": 0, "v": 0}
+            hooks = []
+
+            def counter(which):
+                def hook(mod, inp, out):  # runs before the in-place clamp_
+                    counts[which] += int((out.abs() > clip).sum())
+                    totals[which] += out.numel()
+                return hook
+
+            for layer in model.model.layers:
+                a = layer.self_attn
+                hooks += [a.q_norm.register_forward_hook(counter("q")), a.k_norm.register_forward_hook(counter("k")),
+                          a.v_proj.register_forward_hook(counter("v"))]
+            for ids in prompt_ids:
+                forward(ids)
+            for hk in hooks:
+                hk.remove()
+            extra["clipped_elements"] = {
+                "clip_qkv": clip,
+                "where": "q after q_norm, k after k_norm, v after v_proj; before the head split and RoPE",
+                "counted_over": "both prompts, all layers (one forward pass each)",
+                "clipped": counts,
+                "total": totals,
+                "effect_max_abs_logprob": effect(lambda: setattr(mcfg, "clip_qkv", None),
+                                                 lambda: setattr(mcfg, "clip_qkv", clip)),
+            }
+            print(f"   clip_qkv: {extra['clipped_elements']}")
+
+        if family(cfg)["shared_expert"]:
+            gates = []
+            hooks = [
+                layer.mlp.shared_expert_gate.register_forward_hook(lambda m, i, o: gates.append(torch.sigmoid(o).flatten()))
+                for layer in model.model.layers
+                if hasattr(layer.mlp, "shared_expert_gate")
+            ]
+            for ids in prompt_ids:
+                forward(ids)
+            for hk in hooks:
+                hk.remove()
+            g = torch.cat(gates)
+            extra["shared_expert_gate"] = {"sigmoid_min": r6(g.min()), "sigmoid_max": r6(g.max()), "sigmoid_mean": r6(g.mean())}
+
+            def no_shared():
+                for layer in model.model.layers:
+                    if hasattr(layer.mlp, "shared_expert_gate"):
+                        layer.mlp.shared_expert.down_proj.weight.data.mul_(0)
+
+            saved = {L: layer.mlp.shared_expert.down_proj.weight.data.clone()
+                     for L, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "shared_expert")}
+
+            def restore():
+                for L, w in saved.items():
+                    model.model.layers[L].mlp.shared_expert.down_proj.weight.data.copy_(w)
+
+            extra["shared_expert_gate"]["effect_max_abs_logprob"] = effect(no_shared, restore)
+            print(f"   shared expert gate: {extra['shared_expert_gate']}")
+        if family(cfg)["qkv_bias"]:
+            def zero_bias():
+                for layer in model.model.layers:
+                    for proj in ("q_proj", "k_proj", "v_proj"):
+                        getattr(layer.self_attn, proj).bias.data.mul_(0)
+            saved_b = {(L, proj): getattr(layer.self_attn, proj).bias.data.clone()
+                       for L, layer in enumerate(model.model.layers) for proj in ("q_proj", "k_proj", "v_proj")}
+
+            def restore_b():
+                for (L, proj), b in saved_b.items():
+                    getattr(model.model.layers[L].self_attn, proj).bias.data.copy_(b)
+
+            extra["qkv_bias_effect_max_abs_logprob"] = effect(zero_bias, restore_b)
+            print(f"   qkv bias effect: {extra['qkv_bias_effect_max_abs_logprob']}")
+
         prompts = []
-        for p in spec["prompts"]:
-            ids = prompt_tokens(p["seed"], p["len"], vocab_tok)
+        for p, ids in zip(spec["prompts"], prompt_ids):
             logits = forward(ids)
             lp = torch.log_softmax(logits, dim=-1)
             top2 = torch.topk(logits, 2, dim=-1)
@@ -377,37 +636,41 @@ def reference(outdir):
             assert gtok[0] == entry["argmax"][-1]
             entry["greedy"] = {"tokens": gtok, "margins": gmar}
             prompts.append(entry)
+            small = sorted(entry["margin"])[:3]
             print(
-                f"   prompt seed {p['seed']} len {len(ids)}: min margin {min(entry['margin']):.4f}, "
-                f"min greedy margin {min(gmar):.4f}, mean logprob {sum(entry['logprobs']) / (len(ids) - 1):.3f}"
+                f"   prompt seed {p['seed']} len {len(ids)}: smallest margins {small}, "
+                f"min greedy margin {min(gmar):.4f}, mean logprob {sum(entry['logprobs']) / (len(ids) - 1):.3f}, "
+                f"distinct argmax {len(set(entry['argmax']))}"
             )
             print(f"   greedy {gtok}")
 
         hashes = sha256_files(files)
-        ref = {
-            "meta": {
-                "fixture": name,
-                "transformers": transformers.__version__,
-                "torch": torch.__version__,
-                "date": date,
-                "dtype_computed": "float32",
-                "device": "cpu",
-                "attn_implementation": "eager",
-                "experts_implementation": "eager",
-                "config_sha256": hashes["config.json"],
-                "weights_sha256": {f: h for f, h in hashes.items() if f.endswith(".safetensors")},
-                "files_sha256": hashes,
-                "layers": layers,
-                "rope": {"rope_type": rope_type, "attention_scaling": scaling, "inv_freq": inv_freq},
-            },
-            "prompts": prompts,
+        meta = {
+            "fixture": name,
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "date": date,
+            "dtype_computed": "float32",
+            "device": "cpu",
+            "attn_implementation": "eager",
+            "experts_implementation": "eager",
+            "config_sha256": hashes["config.json"],
+            "weights_sha256": {f: h for f, h in hashes.items() if f.endswith(".safetensors")},
+            "files_sha256": hashes,
+            "layers": layers,
+            "rope": {"rope_type": rope_type, "attention_scaling": scaling, "inv_freq": inv_freq},
         }
+        if mt != "qwen3_moe":
+            # (the Qwen3-MoE references predate these fields; they are kept byte-identical)
+            meta.update(extra)
+        ref = {"meta": meta, "prompts": prompts}
         with open(os.path.join(outdir, f"{name}.json"), "w") as f:
             json.dump(ref, f, separators=(",", ":"))
             f.write("\n")
         print(f"   wrote {name}.json")
 
-    tokenizer_reference(os.path.join(outdir, "tokenizer-reference.json"))
+    if not only:
+        tokenizer_reference(os.path.join(outdir, "tokenizer-reference.json"))
 
 
 # ----------------------------------------------------------------------------------------------

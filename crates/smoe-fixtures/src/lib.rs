@@ -1,5 +1,5 @@
-//! Tiny random Qwen3-MoE checkpoints in the Hugging Face hub layout, and the reference outputs
-//! that Hugging Face transformers computed for them.
+//! Tiny random MoE checkpoints (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE) in the Hugging Face hub
+//! layout, and the reference outputs that Hugging Face transformers computed for them.
 //!
 //! The checkpoints are defined by `tests/fixtures/specs.json` and generated with integer-only
 //! arithmetic, byte-identically to `scripts/fixtures.py` (see `tests/fixtures/README.md`). The
@@ -130,6 +130,27 @@ pub fn names() -> Vec<String> {
     specs().fixtures.into_iter().map(|s| s.name).collect()
 }
 
+/// The fixtures of the given model_type(s) (e.g. `names_of(&["qwen3_moe"])`), in specs.json order.
+pub fn names_of(model_types: &[&str]) -> Vec<String> {
+    specs()
+        .fixtures
+        .into_iter()
+        .filter(|s| model_types.contains(&model_type_of(&s.config)))
+        .map(|s| s.name)
+        .collect()
+}
+
+/// The model_type of fixture `name` ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe").
+pub fn model_type(name: &str) -> String {
+    model_type_of(&spec(name).config).to_string()
+}
+
+fn model_type_of(cfg: &Value) -> &str {
+    cfg.get("model_type")
+        .and_then(Value::as_str)
+        .expect("config.json: model_type")
+}
+
 /// The prompts of fixture `name` as token ids.
 pub fn prompts(name: &str) -> Vec<Vec<u32>> {
     let specs = specs();
@@ -153,12 +174,14 @@ pub enum Kind {
     Embed,
     /// scale 2^e(fan_in)
     Matrix,
-    /// scale 2^e(fan_in) * 4
+    /// scale 2^e(fan_in) * 4; routers and Qwen2-MoE's shared_expert_gate
     Router,
     /// scale 2^e(fan_in) * 4; also a tied embedding (it is the LM head too)
     LmHead,
     /// 1 + ((k >> 4) - 8) / 32
     Norm,
+    /// ((k >> 4) - 8) / 64 (tensors named `*.bias`)
+    Bias,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -188,10 +211,122 @@ pub fn num_experts(cfg: &Value) -> usize {
         .expect("num_experts or num_local_experts") as usize
 }
 
-/// Qwen3-MoE's rule: sparse iff not in mlp_only_layers and (layer + 1) % decoder_sparse_step == 0.
+/// How a family's q/k norms are shaped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QkNorm {
+    /// no q/k norm
+    None,
+    /// RMSNorm over each head: `q_norm`, `k_norm` are `[head_dim]` (Qwen3-MoE)
+    Head,
+    /// RMSNorm over the whole projection: `q_norm` `[num_heads * head_dim]`, `k_norm`
+    /// `[num_kv_heads * head_dim]` (OLMoE)
+    Projection,
+}
+
+/// What differs between the MoE families as far as the checkpoint's tensors go (transformers
+/// 5.17's modeling files); the same table as `FAMILIES` in scripts/fixtures.py.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Family {
+    pub model_type: &'static str,
+    /// the sparse block's module name in the hub checkpoint
+    pub moe: &'static str,
+    /// an expert's gate (silu), up and down projection names
+    pub experts: [&'static str; 3],
+    /// the config key of an expert's intermediate size
+    pub expert_width: &'static str,
+    pub qk_norm: QkNorm,
+    /// q/k/v (not o) projections carry a bias
+    pub qkv_bias: bool,
+    /// a shared expert (`shared_expert_intermediate_size`) with a sigmoid gate `[1, hidden]`
+    pub shared_expert: bool,
+    /// layers can be dense (mlp_only_layers, decoder_sparse_step); else all are sparse
+    pub dense_layers: bool,
+}
+
+const GATE_UP_DOWN: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+
+pub const FAMILIES: [Family; 4] = [
+    Family {
+        model_type: "qwen3_moe",
+        moe: "mlp",
+        experts: GATE_UP_DOWN,
+        expert_width: "moe_intermediate_size",
+        qk_norm: QkNorm::Head,
+        qkv_bias: false,
+        shared_expert: false,
+        dense_layers: true,
+    },
+    Family {
+        model_type: "mixtral",
+        moe: "block_sparse_moe",
+        experts: ["w1", "w3", "w2"],
+        expert_width: "intermediate_size",
+        qk_norm: QkNorm::None,
+        qkv_bias: false,
+        shared_expert: false,
+        dense_layers: false,
+    },
+    Family {
+        model_type: "olmoe",
+        moe: "mlp",
+        experts: GATE_UP_DOWN,
+        expert_width: "intermediate_size",
+        qk_norm: QkNorm::Projection,
+        qkv_bias: false,
+        shared_expert: false,
+        dense_layers: false,
+    },
+    Family {
+        model_type: "qwen2_moe",
+        moe: "mlp",
+        experts: GATE_UP_DOWN,
+        expert_width: "moe_intermediate_size",
+        qk_norm: QkNorm::None,
+        qkv_bias: true,
+        shared_expert: true,
+        dense_layers: true,
+    },
+];
+
+/// The family of `config.json` (by `model_type`); Qwen2-MoE's `qkv_bias` (default true) is read
+/// from the config.
+pub fn family(cfg: &Value) -> Family {
+    let mt = cfg
+        .get("model_type")
+        .and_then(Value::as_str)
+        .expect("config.json: model_type");
+    let mut fam = *FAMILIES
+        .iter()
+        .find(|f| f.model_type == mt)
+        .unwrap_or_else(|| panic!("unsupported model_type {mt:?}"));
+    assert!(
+        !cfg.get("attention_bias")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+        "{mt}: attention_bias true is not generated"
+    );
+    if mt == "qwen2_moe" {
+        fam.qkv_bias = cfg.get("qkv_bias").and_then(Value::as_bool).unwrap_or(true);
+    }
+    fam
+}
+
+/// `head_dim`, or hidden_size / num_attention_heads.
+pub fn head_dim(cfg: &Value) -> usize {
+    cfg.get("head_dim")
+        .and_then(Value::as_u64)
+        .map(|v| v as usize)
+        .unwrap_or_else(|| cfg_usize(cfg, "hidden_size") / cfg_usize(cfg, "num_attention_heads"))
+}
+
+/// Qwen-MoE's rule: sparse iff not in mlp_only_layers and (layer + 1) % decoder_sparse_step == 0;
+/// Mixtral and OLMoE have only sparse layers.
 // `is_multiple_of` needs Rust 1.87; the workspace's rust-version is 1.85.
 #[allow(clippy::manual_is_multiple_of)]
 pub fn layer_is_sparse(cfg: &Value, layer: usize) -> bool {
+    if !family(cfg).dense_layers {
+        return true;
+    }
     let mlp_only: Vec<u64> = cfg
         .get("mlp_only_layers")
         .and_then(Value::as_array)
@@ -206,13 +341,10 @@ pub fn layer_is_sparse(cfg: &Value, layer: usize) -> bool {
 
 /// Every tensor of the checkpoint, sorted by name (byte order).
 pub fn tensor_list(cfg: &Value) -> Vec<TensorSpec> {
+    let fam = family(cfg);
     let h = cfg_usize(cfg, "hidden_size");
     let nh = cfg_usize(cfg, "num_attention_heads");
-    let hd = cfg
-        .get("head_dim")
-        .and_then(Value::as_u64)
-        .map(|v| v as usize)
-        .unwrap_or(h / nh);
+    let hd = head_dim(cfg);
     let nkv = cfg_usize(cfg, "num_key_value_heads");
     let v = cfg_usize(cfg, "vocab_size");
     let tied = cfg
@@ -222,6 +354,12 @@ pub fn tensor_list(cfg: &Value) -> Vec<TensorSpec> {
     let mut out = Vec::new();
     let mut push =
         |name: String, shape: Vec<usize>, kind: Kind| out.push(TensorSpec { name, shape, kind });
+    let mlp =
+        |push: &mut dyn FnMut(String, Vec<usize>, Kind), p: &str, w: usize, names: [&str; 3]| {
+            push(format!("{p}{}.weight", names[0]), vec![w, h], Kind::Matrix);
+            push(format!("{p}{}.weight", names[1]), vec![w, h], Kind::Matrix);
+            push(format!("{p}{}.weight", names[2]), vec![h, w], Kind::Matrix);
+        };
     push(
         "model.embed_tokens.weight".into(),
         vec![v, h],
@@ -239,57 +377,56 @@ pub fn tensor_list(cfg: &Value) -> Vec<TensorSpec> {
             vec![h],
             Kind::Norm,
         );
-        push(
-            format!("{p}self_attn.q_proj.weight"),
-            vec![nh * hd, h],
-            Kind::Matrix,
-        );
-        push(
-            format!("{p}self_attn.k_proj.weight"),
-            vec![nkv * hd, h],
-            Kind::Matrix,
-        );
-        push(
-            format!("{p}self_attn.v_proj.weight"),
-            vec![nkv * hd, h],
-            Kind::Matrix,
-        );
-        push(
-            format!("{p}self_attn.o_proj.weight"),
-            vec![h, nh * hd],
-            Kind::Matrix,
-        );
-        push(format!("{p}self_attn.q_norm.weight"), vec![hd], Kind::Norm);
-        push(format!("{p}self_attn.k_norm.weight"), vec![hd], Kind::Norm);
+        let a = format!("{p}self_attn.");
+        push(format!("{a}q_proj.weight"), vec![nh * hd, h], Kind::Matrix);
+        push(format!("{a}k_proj.weight"), vec![nkv * hd, h], Kind::Matrix);
+        push(format!("{a}v_proj.weight"), vec![nkv * hd, h], Kind::Matrix);
+        push(format!("{a}o_proj.weight"), vec![h, nh * hd], Kind::Matrix);
+        if fam.qkv_bias {
+            push(format!("{a}q_proj.bias"), vec![nh * hd], Kind::Bias);
+            push(format!("{a}k_proj.bias"), vec![nkv * hd], Kind::Bias);
+            push(format!("{a}v_proj.bias"), vec![nkv * hd], Kind::Bias);
+        }
+        let (qn, kn) = match fam.qk_norm {
+            QkNorm::None => (0, 0),
+            QkNorm::Head => (hd, hd),
+            QkNorm::Projection => (nh * hd, nkv * hd),
+        };
+        if qn > 0 {
+            push(format!("{a}q_norm.weight"), vec![qn], Kind::Norm);
+            push(format!("{a}k_norm.weight"), vec![kn], Kind::Norm);
+        }
         if layer_is_sparse(cfg, l) {
-            let mi = cfg_usize(cfg, "moe_intermediate_size");
+            let m = format!("{p}{}.", fam.moe);
+            let width = cfg_usize(cfg, fam.expert_width);
             let ne = num_experts(cfg);
-            push(format!("{p}mlp.gate.weight"), vec![ne, h], Kind::Router);
+            push(format!("{m}gate.weight"), vec![ne, h], Kind::Router);
             for e in 0..ne {
+                mlp(&mut push, &format!("{m}experts.{e}."), width, fam.experts);
+            }
+            if fam.shared_expert {
+                let w = cfg_usize(cfg, "shared_expert_intermediate_size");
+                mlp(&mut push, &format!("{m}shared_expert."), w, GATE_UP_DOWN);
+                // the shared expert's sigmoid gate follows the router rule (matrix scale * 4)
                 push(
-                    format!("{p}mlp.experts.{e}.gate_proj.weight"),
-                    vec![mi, h],
-                    Kind::Matrix,
-                );
-                push(
-                    format!("{p}mlp.experts.{e}.up_proj.weight"),
-                    vec![mi, h],
-                    Kind::Matrix,
-                );
-                push(
-                    format!("{p}mlp.experts.{e}.down_proj.weight"),
-                    vec![h, mi],
-                    Kind::Matrix,
+                    format!("{m}shared_expert_gate.weight"),
+                    vec![1, h],
+                    Kind::Router,
                 );
             }
         } else {
-            let i = cfg_usize(cfg, "intermediate_size");
-            push(format!("{p}mlp.gate_proj.weight"), vec![i, h], Kind::Matrix);
-            push(format!("{p}mlp.up_proj.weight"), vec![i, h], Kind::Matrix);
-            push(format!("{p}mlp.down_proj.weight"), vec![h, i], Kind::Matrix);
+            let w = cfg_usize(cfg, "intermediate_size");
+            mlp(&mut push, &format!("{p}mlp."), w, GATE_UP_DOWN);
         }
     }
     out.sort_by(|a, b| a.name.as_bytes().cmp(b.name.as_bytes()));
+    assert!(
+        out.windows(2).all(|w| w[0].name != w[1].name),
+        "duplicate tensor name"
+    );
+    assert!(out
+        .iter()
+        .all(|t| (t.kind == Kind::Bias) == t.name.ends_with(".bias")));
     out
 }
 
@@ -299,6 +436,7 @@ pub fn tensor_values(t: &TensorSpec, seed: u64) -> Vec<f32> {
     let k = (0..t.numel() as u64).map(move |i| (splitmix64(s.wrapping_add(i)) >> 56) as i32);
     match t.kind {
         Kind::Norm => k.map(|k| ((k >> 4) + 24) as f32 / 32.0).collect(),
+        Kind::Bias => k.map(|k| ((k >> 4) - 8) as f32 / 64.0).collect(),
         kind => {
             let mut e = if kind == Kind::Embed {
                 0
@@ -499,6 +637,32 @@ pub struct Meta {
     /// "sparse" | "dense", per layer, as transformers built them.
     pub layers: Vec<String>,
     pub rope: RopeReference,
+    /// The fields below are in the references of the non-Qwen3 families only (the Qwen3-MoE
+    /// references predate them).
+    ///
+    /// `config.json`'s model_type.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_type: Option<String>,
+    /// How transformers' router turns the logits into expert weights, in words.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router: Option<String>,
+    /// The attention mask each layer really used (read off eager attention's probabilities on the
+    /// longest prompt): `applied`, `layers` ("causal" | "sliding W"), `rule`, and the effect of the
+    /// window (`effect_max_abs_logprob`: switched off; `effect_if_applied_max_abs_logprob`: what an
+    /// engine that wrongly applied a configured-but-disabled window would be off by).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window_applied: Option<Value>,
+    /// OLMoE's clip_qkv: `clip_qkv`, `clipped` {q, k, v} elements beyond ±clip_qkv, `total`, and
+    /// `effect_max_abs_logprob` (clip switched off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clipped_elements: Option<Value>,
+    /// Qwen2-MoE: the range of sigmoid(shared_expert_gate . x) over the prompts, and the effect of
+    /// dropping the shared expert.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared_expert_gate: Option<Value>,
+    /// Qwen2-MoE: max |Δ log-prob| with the q/k/v biases zeroed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub qkv_bias_effect_max_abs_logprob: Option<f64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -116,6 +116,7 @@ fn weights_exactly_representable() {
             }
             match t.kind {
                 Kind::Norm => assert!(lo >= 0.75 && hi <= 1.21875, "{}", t.name),
+                Kind::Bias => assert!(lo >= -0.125 && hi <= 0.109375, "{}", t.name),
                 Kind::Embed => assert!(lo >= -1.0 && hi < 1.0, "{}", t.name),
                 _ => {
                     let s = 2f32.powi(scale_exponent(t.shape[1]))
@@ -172,7 +173,7 @@ fn layout_and_prompts_match_reference() {
                 .all(|&t| (t as u64) < vocab));
         }
         let rope = &r.meta.rope;
-        let hd = spec.config["head_dim"].as_u64().unwrap() as usize;
+        let hd = head_dim(&spec.config);
         assert_eq!(rope.inv_freq.len(), hd / 2);
         let yarn = spec
             .config
@@ -240,4 +241,146 @@ fn tokenizer_files_and_reference() {
         .as_str()
         .unwrap()
         .contains("<|im_start|>"));
+}
+
+fn shapes(name: &str) -> BTreeMap<String, (Vec<usize>, Kind)> {
+    tensor_list(&spec(name).config)
+        .into_iter()
+        .map(|t| (t.name, (t.shape, t.kind)))
+        .collect()
+}
+
+#[test]
+fn family_tensor_names_and_shapes() {
+    let m = shapes("tiny-mixtral");
+    let l = "model.layers.0.";
+    assert_eq!(
+        m[&format!("{l}block_sparse_moe.gate.weight")],
+        (vec![8, 256], Kind::Router)
+    );
+    assert_eq!(
+        m[&format!("{l}block_sparse_moe.experts.7.w1.weight")].0,
+        vec![128, 256]
+    );
+    assert_eq!(
+        m[&format!("{l}block_sparse_moe.experts.7.w3.weight")].0,
+        vec![128, 256]
+    );
+    assert_eq!(
+        m[&format!("{l}block_sparse_moe.experts.7.w2.weight")].0,
+        vec![256, 128]
+    );
+    assert!(!m
+        .keys()
+        .any(|k| k.contains("q_norm") || k.ends_with(".bias") || k.contains(".mlp.")));
+    assert_eq!(m.len(), 3 + 4 * (2 + 4 + 1 + 8 * 3));
+
+    let o = shapes("tiny-olmoe");
+    assert_eq!(
+        o[&format!("{l}self_attn.q_norm.weight")],
+        (vec![192], Kind::Norm)
+    ); // 4 heads * 48
+    assert_eq!(
+        o[&format!("{l}self_attn.k_norm.weight")],
+        (vec![96], Kind::Norm)
+    ); // 2 kv heads * 48
+    assert_eq!(o[&format!("{l}self_attn.k_proj.weight")].0, vec![96, 192]);
+    assert_eq!(
+        o[&format!("{l}mlp.experts.15.gate_proj.weight")].0,
+        vec![128, 192]
+    );
+    assert_eq!(o.len(), 3 + 3 * (2 + 4 + 2 + 1 + 16 * 3));
+
+    let q = shapes("tiny-qwen2moe");
+    assert_eq!(
+        q[&format!("{l}self_attn.q_proj.bias")],
+        (vec![256], Kind::Bias)
+    );
+    assert_eq!(q[&format!("{l}self_attn.k_proj.bias")].0, vec![128]);
+    assert_eq!(q[&format!("{l}self_attn.v_proj.bias")].0, vec![128]);
+    assert!(!q.contains_key(&format!("{l}self_attn.o_proj.bias")));
+    assert_eq!(q[&format!("{l}mlp.gate_proj.weight")].0, vec![320, 256]); // layer 0 is dense
+    let s = "model.layers.1.mlp.";
+    assert_eq!(q[&format!("{s}gate.weight")], (vec![12, 256], Kind::Router));
+    assert_eq!(
+        q[&format!("{s}shared_expert_gate.weight")],
+        (vec![1, 256], Kind::Router)
+    );
+    assert_eq!(
+        q[&format!("{s}shared_expert.gate_proj.weight")].0,
+        vec![192, 256]
+    );
+    assert_eq!(
+        q[&format!("{s}shared_expert.down_proj.weight")].0,
+        vec![256, 192]
+    );
+    assert_eq!(
+        q[&format!("{s}experts.11.down_proj.weight")].0,
+        vec![256, 128]
+    );
+    let (dense, sparse) = (2 + 4 + 3 + 3, 2 + 4 + 3 + 1 + 12 * 3 + 3 + 1);
+    assert_eq!(q.len(), 3 + 2 * dense + 2 * sparse);
+}
+
+#[test]
+fn family_reference_meta() {
+    for name in names() {
+        let spec = spec(&name);
+        let meta = reference(&name).meta;
+        let mt = spec.config["model_type"].as_str().unwrap();
+        if mt == "qwen3_moe" {
+            continue;
+        }
+        assert_eq!(meta.model_type.as_deref(), Some(mt));
+        assert!(meta.router.is_some());
+        let sw = meta
+            .sliding_window_applied
+            .as_ref()
+            .expect("sliding_window_applied");
+        let longest = spec.prompts.iter().map(|p| p.len).max().unwrap();
+        match mt {
+            "mixtral" => {
+                let w = spec.config["sliding_window"].as_u64().unwrap() as usize;
+                assert!(w < longest, "{name}: the window must be exercised");
+                assert_eq!(sw["applied"], Value::Bool(true));
+                assert_eq!(sw["keys_per_query_last"].as_u64(), Some(w as u64));
+                assert!(sw["effect_max_abs_logprob"].as_f64().unwrap() > 0.1);
+            }
+            "olmoe" => {
+                assert_eq!(sw["applied"], Value::Bool(false));
+                let c = meta.clipped_elements.as_ref().expect("clipped_elements");
+                assert_eq!(c["clip_qkv"], spec.config["clip_qkv"]);
+                for k in ["q", "k", "v"] {
+                    assert!(
+                        c["clipped"][k].as_u64().unwrap() > 0,
+                        "{name}: nothing clipped in {k}"
+                    );
+                }
+                assert!(c["effect_max_abs_logprob"].as_f64().unwrap() > 0.1);
+            }
+            "qwen2_moe" => {
+                assert_eq!(sw["applied"], Value::Bool(false));
+                assert!(spec.config["sliding_window"].as_u64().unwrap() < longest as u64);
+                assert!(meta.shared_expert_gate.is_some());
+                assert!(meta.qkv_bias_effect_max_abs_logprob.unwrap() > 0.1);
+            }
+            _ => panic!("{name}: unexpected model_type {mt}"),
+        }
+    }
+}
+
+#[test]
+fn every_family_has_a_fixture() {
+    for f in FAMILIES {
+        assert!(
+            !names_of(&[f.model_type]).is_empty(),
+            "no {} fixture",
+            f.model_type
+        );
+    }
+    assert_eq!(
+        names_of(&["qwen3_moe"]),
+        ["tiny-tied", "tiny-dense-mix", "tiny-yarn"]
+    );
+    assert_eq!(model_type("tiny-olmoe"), "olmoe");
 }
