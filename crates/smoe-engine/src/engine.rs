@@ -99,6 +99,23 @@ impl Engine {
         }
     }
 
+    /// One forward pass over several sessions (continuous batching): `runs[i]` (a prompt chunk
+    /// or one decoded token) continues `sessions[i]`. Weights are read once for the whole batch.
+    pub fn forward_batch(
+        &self,
+        sessions: &mut [&mut Session<'_>],
+        runs: &[&[u32]],
+        want: &[Logits],
+        scratch: &mut Scratch,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        let mut kvs: Vec<&mut KvCache> = sessions.iter_mut().map(|s| &mut s.kv).collect();
+        let out = self.model.forward_batch(&mut kvs, runs, want, scratch)?;
+        for (s, run) in sessions.iter_mut().zip(runs) {
+            s.tokens.extend_from_slice(run);
+        }
+        Ok(out)
+    }
+
     /// Log-probabilities of a token sequence under the model (teacher forcing).
     pub fn logprobs(&self, ids: &[u32]) -> Result<LogprobsResult, EngineError> {
         if ids.is_empty() {

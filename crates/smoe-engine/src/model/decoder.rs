@@ -153,19 +153,45 @@ impl Decoder {
         want: Logits,
         s: &mut Scratch,
     ) -> Result<Vec<f32>, EngineError> {
+        let mut out = self.forward_batch(&mut [kv], &[tokens], &[want], s)?;
+        Ok(out.pop().unwrap_or_default())
+    }
+
+    /// Several sequences in one pass: `runs[i]` continues the sequence cached in `kvs[i]`. Every
+    /// weight is read once for all rows of all sequences (what makes batched decoding cheap);
+    /// only attention is per sequence. Returns each run's logits as `want[i]` asks.
+    pub fn forward_batch(
+        &self,
+        kvs: &mut [&mut KvCache],
+        runs: &[&[u32]],
+        want: &[Logits],
+        s: &mut Scratch,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
         let c = &self.cfg;
-        kv.check_room(tokens.len())?;
-        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= c.vocab_size) {
-            return Err(EngineError::TokenOutOfRange {
-                id,
-                vocab: c.vocab_size,
-            });
+        assert!(
+            kvs.len() == runs.len() && runs.len() == want.len(),
+            "one run and one cache per sequence"
+        );
+        for (kv, run) in kvs.iter().zip(runs) {
+            kv.check_room(run.len())?;
+            if let Some(&id) = run.iter().find(|&&id| id as usize >= c.vocab_size) {
+                return Err(EngineError::TokenOutOfRange {
+                    id,
+                    vocab: c.vocab_size,
+                });
+            }
         }
-        let (h, t) = (c.hidden_size, tokens.len());
-        let pos0 = kv.len;
+        // Row offset of each run in the stacked activations.
+        let mut spans = Vec::with_capacity(runs.len());
+        let mut t = 0;
+        for run in runs {
+            spans.push(t..t + run.len());
+            t += run.len();
+        }
+        let h = c.hidden_size;
         s.x.resize(t * h, 0.0);
         let embed = mat(&self.embed);
-        for (i, &id) in tokens.iter().enumerate() {
+        for (i, &id) in runs.iter().flat_map(|r| r.iter()).enumerate() {
             smoe_vault::quant::dequantize_row(
                 embed.dtype,
                 embed.row(id as usize),
@@ -175,7 +201,7 @@ impl Decoder {
         for (l, layer) in self.layers.iter().enumerate() {
             s.h.resize(t * h, 0.0);
             ops::rms_norm(&s.x, &layer.input_norm, c.rms_norm_eps as f32, &mut s.h);
-            self.attention(l, &layer.attn, kv, pos0, s)?;
+            self.attention(l, &layer.attn, kvs, &spans, s)?;
             ops::rms_norm(&s.x, &layer.post_norm, c.rms_norm_eps as f32, &mut s.h);
             match &layer.ffn {
                 Ffn::Dense(m) => {
@@ -190,12 +216,24 @@ impl Decoder {
                 }
             }
         }
-        kv.len += t;
-        // Final norm and LM head only at the positions that need logits.
+        for (kv, run) in kvs.iter_mut().zip(runs) {
+            kv.len += run.len();
+        }
+        spans
+            .iter()
+            .zip(want)
+            .map(|(span, w)| Ok(self.logits(s, span.clone(), *w)))
+            .collect()
+    }
+
+    /// Final norm and LM head, only at the rows of `span` that need logits.
+    fn logits(&self, s: &Scratch, span: std::ops::Range<usize>, want: Logits) -> Vec<f32> {
+        let c = &self.cfg;
+        let h = c.hidden_size;
         let rows: Vec<usize> = match want {
-            Logits::Last => vec![t - 1],
-            Logits::All => (0..t).collect(),
-            Logits::None => vec![],
+            Logits::Last if !span.is_empty() => vec![span.end - 1],
+            Logits::All => span.collect(),
+            _ => vec![],
         };
         let mut hn = vec![0f32; rows.len() * h];
         for (j, &r) in rows.iter().enumerate() {
@@ -210,15 +248,15 @@ impl Decoder {
         if !rows.is_empty() {
             matmul(mat(&self.lm_head), &hn, rows.len(), &mut logits);
         }
-        Ok(logits)
+        logits
     }
 
     fn attention(
         &self,
         l: usize,
         a: &Attention,
-        kv: &mut KvCache,
-        pos0: usize,
+        kvs: &mut [&mut KvCache],
+        spans: &[std::ops::Range<usize>],
         s: &mut Scratch,
     ) -> Result<(), EngineError> {
         let c = &self.cfg;
@@ -248,12 +286,6 @@ impl Decoder {
         }
         let half = self.rope.half();
         let (mut cos, mut sin) = (vec![0f32; half], vec![0f32; half]);
-        for i in 0..t {
-            self.rope.at(pos0 + i, &mut cos, &mut sin);
-            ops::rope_inplace(&mut s.q[i * qw..(i + 1) * qw], hd, &cos, &sin);
-            ops::rope_inplace(&mut s.k[i * kw..(i + 1) * kw], hd, &cos, &sin);
-        }
-        kv.write(l, pos0, &s.k, &s.v);
         s.attn.resize(t * qw, 0.0);
         let shape = ops::AttnShape {
             n_heads: c.num_heads,
@@ -262,7 +294,26 @@ impl Decoder {
             scale: (hd as f32).powf(-0.5),
             window: c.sliding_window,
         };
-        ops::attention(&s.q, &kv.k[l], &kv.v[l], pos0, shape, &mut s.attn);
+        // Each sequence: rotate at its own positions, append to its cache, attend over it.
+        for (kv, span) in kvs.iter_mut().zip(spans) {
+            let pos0 = kv.len;
+            for (j, i) in span.clone().enumerate() {
+                self.rope.at(pos0 + j, &mut cos, &mut sin);
+                ops::rope_inplace(&mut s.q[i * qw..(i + 1) * qw], hd, &cos, &sin);
+                ops::rope_inplace(&mut s.k[i * kw..(i + 1) * kw], hd, &cos, &sin);
+            }
+            kv.write(
+                l,
+                pos0,
+                &s.k[span.start * kw..span.end * kw],
+                &s.v[span.start * kw..span.end * kw],
+            );
+            let (q, out) = (
+                &s.q[span.start * qw..span.end * qw],
+                &mut s.attn[span.start * qw..span.end * qw],
+            );
+            ops::attention(q, &kv.k[l], &kv.v[l], pos0, shape, out);
+        }
         s.o.resize(t * c.hidden_size, 0.0);
         matmul(mat(&a.o), &s.attn, t, &mut s.o);
         add_into(&mut s.x, &s.o);

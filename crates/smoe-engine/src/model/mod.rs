@@ -73,4 +73,17 @@ impl Model {
             Model::Decoder(m) => m.forward(kv, tokens, want, s),
         }
     }
+
+    /// Several sequences in one pass (continuous batching): `runs[i]` continues `kvs[i]`.
+    pub fn forward_batch(
+        &self,
+        kvs: &mut [&mut KvCache],
+        runs: &[&[u32]],
+        want: &[Logits],
+        s: &mut Scratch,
+    ) -> Result<Vec<Vec<f32>>, EngineError> {
+        match self {
+            Model::Decoder(m) => m.forward_batch(kvs, runs, want, s),
+        }
+    }
 }
