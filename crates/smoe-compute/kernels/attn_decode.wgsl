@@ -1,0 +1,116 @@
+// Decode attention, pass 1 of 2 (CPU twin: cpu::ops::attention): causal GQA over the KV cache
+// for any context length. Workgroup (split s, head h, token t) covers an equal share of token
+// t's positions 0..=pos0+t, or the last `window` of them (flash-decoding), tiling it WG positions at a time with an online
+// softmax, so no score array ever needs to fit in memory. It writes its partial output with
+// its running max m and sum l; attn_combine merges the splits.
+
+struct Params {
+    n_heads: u32,
+    n_kv: u32,
+    head_dim: u32,
+    n_split: u32,
+    q_off: u32,  // vec4 index of token 0's queries (token stride n_heads·head_dim)
+    kc_off: u32, // vec4 index of position 0 of the K cache
+    vc_off: u32, // f32 index of position 0 of the V cache
+    ml_off: u32, // f32 index in `part` where the (m, l) pairs start
+    scale: f32,
+    window: u32, // attend only to the last `window` positions; 0: all
+    _pad1: u32,
+    _pad2: u32,
+}
+
+struct Step {
+    pos0: u32,
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
+}
+
+const HD_MAX: u32 = 512u;
+// Output dims per invocation: HD_MAX / WG, WG ≥ 128.
+const OD: u32 = 4u;
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<uniform> step: Step;
+@group(0) @binding(2) var<storage, read> q: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> kc: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read> vc: array<f32>;
+@group(0) @binding(5) var<storage, read_write> part: array<f32>;
+
+var<workgroup> qs: array<vec4<f32>, 128>;
+var<workgroup> sc: array<f32, WG>;
+
+@compute @workgroup_size(WG)
+fn main(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+    @builtin(subgroup_id) sg: u32,
+    @builtin(num_subgroups) nsg: u32,
+    @builtin(subgroup_invocation_id) lane: u32,
+) {
+    let s = wid.x;
+    let h = wid.y;
+    let t = wid.z;
+    let hd = p.head_dim;
+    let hd4 = hd / 4u;
+    let kvw = p.n_kv * hd;
+    let kvh = h / (p.n_heads / p.n_kv);
+    let n_ctx = step.pos0 + t + 1u;
+    var lo = 0u;
+    if p.window != 0u && n_ctx > p.window {
+        lo = n_ctx - p.window;
+    }
+    let chunk = (n_ctx - lo + p.n_split - 1u) / p.n_split;
+    let p0 = lo + s * chunk;
+    let p1 = min(n_ctx, p0 + chunk);
+    for (var i = li; i < hd4; i += WG) {
+        qs[i] = q[p.q_off + (t * p.n_heads + h) * hd4 + i] * p.scale;
+    }
+    workgroupBarrier();
+    var m = NEG_BIG;
+    var l = 0.0;
+    var o: array<f32, OD>;
+    for (var tile = p0; tile < p1; tile += WG) {
+        let pos = tile + li;
+        var score = NEG_BIG;
+        if pos < p1 {
+            let kb = p.kc_off + pos * (kvw / 4u) + kvh * hd4;
+            var acc = 0.0;
+            for (var i = 0u; i < hd4; i++) {
+                acc += dot(qs[i], kc[kb + i]);
+            }
+            score = acc;
+        }
+        let mn = max(m, wg_max(score, sg, nsg, lane));
+        let pj = select(0.0, exp(score - mn), pos < p1);
+        sc[li] = pj;
+        // wg_sum's barriers also publish sc to the whole workgroup.
+        let alpha = exp(m - mn);
+        l = l * alpha + wg_sum(pj, sg, nsg, lane);
+        let cnt = min(WG, p1 - tile);
+        for (var j = 0u; j < OD; j++) {
+            let d = li + j * WG;
+            if d < hd {
+                var acc = o[j] * alpha;
+                let vb = p.vc_off + tile * kvw + kvh * hd + d;
+                for (var c = 0u; c < cnt; c++) {
+                    acc += sc[c] * vc[vb + c * kvw];
+                }
+                o[j] = acc;
+            }
+        }
+        m = mn;
+        // The next tile rewrites sc only after its wg_max barriers: no extra barrier needed.
+    }
+    let base = (t * p.n_heads + h) * p.n_split + s;
+    for (var j = 0u; j < OD; j++) {
+        let d = li + j * WG;
+        if d < hd {
+            part[base * hd + d] = o[j];
+        }
+    }
+    if li == 0u {
+        part[p.ml_off + 2u * base] = m;
+        part[p.ml_off + 2u * base + 1u] = l;
+    }
+}

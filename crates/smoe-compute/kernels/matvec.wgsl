@@ -1,0 +1,369 @@
+// Quantized matrix × activations for decode and small batches (CPU twin: cpu::matmul).
+//
+// y[s, t, r] = Σ_c W_s[r, c] · x[s, t, c] for up to NT tokens per workgroup. W_s is one matrix, or
+// (GROUPED) matrix ids[s] of a stack of equal-shaped matrices: all routed experts of a layer in
+// one dispatch. GATED computes silu(G·x) · (U·x) from two matrices in one pass over x.
+//
+// Work split: a workgroup owns ROWS consecutive rows; subgroup sg takes rows sg, sg + nsg, ...
+// (row choice is uniform within a subgroup, so any subgroup size works); lane l of a row reads
+// 16-byte chunks l, l + S, l + 2S, ... The inputs are staged in workgroup memory TILE columns at a
+// time, so any width fits. Dequantization is an epilogue per chunk: integer codes are dotted with
+// x, then scaled by the group's d (q2: plus m·Σx). Storage layout: smoe_vault::quant.
+//
+// Staged layout: the VPC vec4s of x that chunk k needs are stored "chunk-minor", vec4 i of chunk
+// k of token t at (t·VPC + i)·NCH + k, so the lanes of a subgroup, which work on consecutive
+// chunks, read consecutive vec4s: no bank conflicts. (In x's natural order a q4 chunk's inputs
+// sit 64 bytes apart from the next lane's: 4-way conflicts, 8-way and worse for q2, which made
+// the first version bound by workgroup-memory reads — 20 % of copy bandwidth for q4 on an H200.)
+
+struct Params {
+    rows: u32,
+    cols: u32,
+    n_tok: u32,
+    row_stride: u32,   // vec4<u32> per stored row
+    w_off: u32,        // vec4 index of row 0 of matrix 0, relative to the binding
+    w_mat_stride: u32, // vec4s between stacked matrices (GROUPED)
+    w_up_off: u32,     // vec4s from the gate matrix to the up matrix (GATED)
+    param_word: u32,   // u32 index within a row where the f16 group parameters start
+    x_off: u32,        // vec4 index of x for slot 0, token 0
+    x_tok: u32,        // vec4s between tokens
+    x_slot: u32,       // vec4s between slots (0: every slot reads the same x)
+    y_off: u32,        // f32 index of y for slot 0, token 0
+    y_tok: u32,
+    y_slot: u32,
+    ids_off: u32,
+    _pad: u32,
+}
+
+override DTYPE: u32 = 2u; // 0 bf16, 1 q8, 2 q4, 3 q2; q4 variants: 4 float bits, 5 int8 dot (see chunk)
+override NT: u32 = 1u; // tokens per workgroup, at most NT_MAX
+override TILE: u32 = 4096u; // columns staged per pass, a multiple of 64
+override ROWS: u32 = 16u; // rows per workgroup
+override WG: u32 = 128u;
+override GATED: bool = false;
+override GROUPED: bool = false;
+// vec4s of x per 16-byte chunk of codes: 8, 16, 32 or 64 inputs.
+override VPC: u32 = select(select(select(16u, 8u, DTYPE == 2u || DTYPE >= 4u), 4u, DTYPE == 1u), 2u, DTYPE == 0u);
+// Chunks per row and tile.
+override NCH: u32 = TILE / (4u * VPC);
+// 64-input groups per tile (q4: chunk pairs); at least 1 so that no constant folds to x / 0.
+override NG: u32 = max(NCH / 2u, 1u);
+override XS_LEN: u32 = NT * TILE / 4u;
+override PART_LEN: u32 = ROWS * NT * 2u;
+override XS_SUM_LEN: u32 = select(1u, NT * 2u * NCH, DTYPE >= 4u);
+override XQ_LEN: u32 = select(1u, XS_LEN, DTYPE == 5u);
+override XD_LEN: u32 = select(1u, NT * NG, DTYPE == 5u);
+const NT_MAX: u32 = 8u;
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> w: array<vec4<u32>>;
+@group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> y: array<f32>;
+@group(0) @binding(4) var<storage, read> ids: array<u32>;
+
+var<workgroup> xs: array<vec4<f32>, XS_LEN>;
+// q4 variants: per (token, half, chunk), DTYPE 4: Σx of the chunk's 16 low- or high-nibble
+// inputs; DTYPE 5: Σ of their int8 codes.
+var<workgroup> xsum: array<f32, XS_SUM_LEN>;
+// DTYPE 5: the staged inputs quantized to int8, four to a u32 (same layout as xs), with one
+// scale per 64 inputs (per chunk pair).
+var<workgroup> xq: array<u32, XQ_LEN>;
+var<workgroup> xd: array<f32, XD_LEN>;
+// Per (row, token): the gate (or only) sum and the up sum, accumulated over tiles.
+var<workgroup> part: array<f32, PART_LEN>;
+
+// Where vec4 i of chunk k sits in the tile's natural order (vec4 units).
+fn natural(k: u32, i: u32) -> u32 {
+    switch DTYPE {
+        case 0u, 1u, 3u: { return VPC * k + i; }
+        // q4: byte j of chunk k = 2g + h holds inputs 64g + 16h + j (low) and 64g + 32 + 16h + j
+        // (high); vec4s 0..3 are the low inputs, 4..7 the high ones.
+        default: { return 16u * (k / 2u) + 4u * (k % 2u) + select(i, i + 4u, i >= 4u); }
+    }
+}
+
+fn xv(t: u32, i: u32, k: u32) -> vec4<f32> {
+    return xs[(t * VPC + i) * NCH + k];
+}
+
+fn xqv(t: u32, i: u32, k: u32) -> u32 {
+    return xq[(t * VPC + i) * NCH + k];
+}
+
+fn word(rb: u32, i: u32) -> u32 {
+    return w[rb + i / 4u][i % 4u];
+}
+
+fn f4(v: vec4<u32>) -> vec4<f32> {
+    return vec4<f32>(v);
+}
+
+// q4 nibbles to floats without an int→float conversion (a quarter-rate instruction on NVIDIA):
+// placing nibble c at bit 19 of 1.0f gives exactly 1 + c/16. `left`/`right` move each byte's
+// nibble to bit 19.
+fn nib(q: u32, left: vec4<u32>, right: vec4<u32>) -> vec4<f32> {
+    let v = ((vec4<u32>(q) << left) >> right) & vec4<u32>(0x00780000u);
+    return bitcast<vec4<f32>>(v | vec4<u32>(0x3f800000u));
+}
+
+// Adds chunk c (row-relative; k within the tile), whose 16 bytes are q, of the row at vec4 index
+// rb to acc.
+fn chunk(q: vec4<u32>, rb: u32, c: u32, k: u32, acc: ptr<function, array<f32, NT_MAX>>) {
+    switch DTYPE {
+        case 0u: {
+            // bf16 → f32 is a 16-bit shift.
+            let a = bitcast<vec4<f32>>(vec4<u32>(q.x << 16u, q.x & 0xffff0000u, q.y << 16u, q.y & 0xffff0000u));
+            let b = bitcast<vec4<f32>>(vec4<u32>(q.z << 16u, q.z & 0xffff0000u, q.w << 16u, q.w & 0xffff0000u));
+            for (var t = 0u; t < NT; t++) {
+                (*acc)[t] += dot(a, xv(t, 0u, k)) + dot(b, xv(t, 1u, k));
+            }
+        }
+        case 1u: {
+            let g = c / 4u;
+            let d = unpack2x16float(word(rb, p.param_word + g / 2u))[g % 2u];
+            let a0 = vec4<f32>(unpack4xI8(q.x));
+            let a1 = vec4<f32>(unpack4xI8(q.y));
+            let a2 = vec4<f32>(unpack4xI8(q.z));
+            let a3 = vec4<f32>(unpack4xI8(q.w));
+            for (var t = 0u; t < NT; t++) {
+                let s = dot(a0, xv(t, 0u, k)) + dot(a1, xv(t, 1u, k)) + dot(a2, xv(t, 2u, k)) + dot(a3, xv(t, 3u, k));
+                (*acc)[t] += d * s;
+            }
+        }
+        case 2u: {
+            let g = c / 2u;
+            let d = unpack2x16float(word(rb, p.param_word + g / 2u))[g % 2u];
+            let lo = q & vec4<u32>(0x0f0f0f0fu);
+            let hi = (q >> vec4<u32>(4u)) & vec4<u32>(0x0f0f0f0fu);
+            let l0 = f4(unpack4xU8(lo.x));
+            let l1 = f4(unpack4xU8(lo.y));
+            let l2 = f4(unpack4xU8(lo.z));
+            let l3 = f4(unpack4xU8(lo.w));
+            let h0 = f4(unpack4xU8(hi.x));
+            let h1 = f4(unpack4xU8(hi.y));
+            let h2 = f4(unpack4xU8(hi.z));
+            let h3 = f4(unpack4xU8(hi.w));
+            for (var t = 0u; t < NT; t++) {
+                let x0 = xv(t, 0u, k);
+                let x1 = xv(t, 1u, k);
+                let x2 = xv(t, 2u, k);
+                let x3 = xv(t, 3u, k);
+                let x4 = xv(t, 4u, k);
+                let x5 = xv(t, 5u, k);
+                let x6 = xv(t, 6u, k);
+                let x7 = xv(t, 7u, k);
+                let s = dot(l0, x0) + dot(l1, x1) + dot(l2, x2) + dot(l3, x3)
+                    + dot(h0, x4) + dot(h1, x5) + dot(h2, x6) + dot(h3, x7);
+                let sx = dot(x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7, vec4<f32>(1.0));
+                (*acc)[t] += d * (s - 8.0 * sx);
+            }
+        }
+        case 4u: {
+            // As case 2, with v = 1 + c/16: Σ(c − 8)·x = 16·Σv·x − 24·Σx, Σx from xsum.
+            let g = c / 2u;
+            let d = unpack2x16float(word(rb, p.param_word + g / 2u))[g % 2u];
+            // Low nibble of byte b (bits 8b..8b+3) and high nibble (8b+4..8b+7) to bits 19..22.
+            let ll = vec4<u32>(19u, 11u, 3u, 0u);
+            let lr = vec4<u32>(0u, 0u, 0u, 5u);
+            let hl = vec4<u32>(15u, 7u, 0u, 0u);
+            let hr = vec4<u32>(0u, 0u, 1u, 9u);
+            let l0 = nib(q.x, ll, lr);
+            let l1 = nib(q.y, ll, lr);
+            let l2 = nib(q.z, ll, lr);
+            let l3 = nib(q.w, ll, lr);
+            let h0 = nib(q.x, hl, hr);
+            let h1 = nib(q.y, hl, hr);
+            let h2 = nib(q.z, hl, hr);
+            let h3 = nib(q.w, hl, hr);
+            for (var t = 0u; t < NT; t++) {
+                let s = dot(l0, xv(t, 0u, k)) + dot(l1, xv(t, 1u, k)) + dot(l2, xv(t, 2u, k)) + dot(l3, xv(t, 3u, k))
+                    + dot(h0, xv(t, 4u, k)) + dot(h1, xv(t, 5u, k)) + dot(h2, xv(t, 6u, k)) + dot(h3, xv(t, 7u, k));
+                let sx = xsum[2u * t * NCH + k] + xsum[(2u * t + 1u) * NCH + k];
+                (*acc)[t] += d * (16.0 * s - 24.0 * sx);
+            }
+        }
+        case 5u: {
+            // As case 2 on int8-quantized inputs: four products per dot4I8Packed (DP4A), then
+            // d·dx·(Σc·xq − 8·Σxq). Opt-in: quantizing x costs accuracy (NMSE ~1e-5).
+            let g = c / 2u;
+            let d = unpack2x16float(word(rb, p.param_word + g / 2u))[g % 2u];
+            let lo = q & vec4<u32>(0x0f0f0f0fu);
+            let hi = (q >> vec4<u32>(4u)) & vec4<u32>(0x0f0f0f0fu);
+            for (var t = 0u; t < NT; t++) {
+                let s = dot4I8Packed(lo.x, xqv(t, 0u, k)) + dot4I8Packed(lo.y, xqv(t, 1u, k))
+                    + dot4I8Packed(lo.z, xqv(t, 2u, k)) + dot4I8Packed(lo.w, xqv(t, 3u, k))
+                    + dot4I8Packed(hi.x, xqv(t, 4u, k)) + dot4I8Packed(hi.y, xqv(t, 5u, k))
+                    + dot4I8Packed(hi.z, xqv(t, 6u, k)) + dot4I8Packed(hi.w, xqv(t, 7u, k));
+                let sq = xsum[2u * t * NCH + k] + xsum[(2u * t + 1u) * NCH + k];
+                (*acc)[t] += d * xd[t * NG + k / 2u] * (f32(s) - 8.0 * sq);
+            }
+        }
+        default: {
+            // q2: the chunk is the whole group; bits 2i..2i+2 of byte j hold input 16i + j, so
+            // vec4 4i + j' of the chunk's inputs pairs with word j' shifted by 2i.
+            let dm = unpack2x16float(word(rb, p.param_word + c));
+            var cw: array<vec4<f32>, 16>;
+            for (var i = 0u; i < 4u; i++) {
+                let b = (q >> vec4<u32>(2u * i)) & vec4<u32>(0x03030303u);
+                cw[4u * i] = f4(unpack4xU8(b.x));
+                cw[4u * i + 1u] = f4(unpack4xU8(b.y));
+                cw[4u * i + 2u] = f4(unpack4xU8(b.z));
+                cw[4u * i + 3u] = f4(unpack4xU8(b.w));
+            }
+            for (var t = 0u; t < NT; t++) {
+                var s = 0.0;
+                var sx = vec4<f32>(0.0);
+                for (var i = 0u; i < 16u; i++) {
+                    let xi = xv(t, i, k);
+                    s += dot(cw[i], xi);
+                    sx += xi;
+                }
+                (*acc)[t] += dm.x * s + dm.y * dot(sx, vec4<f32>(1.0));
+            }
+        }
+    }
+}
+
+// Stages columns c0.. of up to nt tokens (the tile is tc columns wide) into xs, and for the q4
+// variants the sums, int8 codes and scales they use.
+fn stage(li: u32, xbase: u32, c0: u32, tc: u32, nt: u32) {
+    for (var d = li; d < NT * VPC * NCH; d += WG) {
+        let k = d % NCH;
+        let i = (d / NCH) % VPC;
+        let t = d / (NCH * VPC);
+        let n = natural(k, i);
+        var v = vec4<f32>(0.0);
+        if t < nt && n < tc / 4u {
+            v = x[xbase + t * p.x_tok + c0 / 4u + n];
+        }
+        xs[d] = v;
+    }
+    workgroupBarrier();
+    if DTYPE == 4u {
+        for (var d = li; d < NT * 2u * NCH; d += WG) {
+            let k = d % NCH;
+            let h = (d / NCH) % 2u;
+            let t = d / (2u * NCH);
+            let v = xv(t, 4u * h, k) + xv(t, 4u * h + 1u, k) + xv(t, 4u * h + 2u, k) + xv(t, 4u * h + 3u, k);
+            xsum[d] = v.x + v.y + v.z + v.w;
+        }
+        workgroupBarrier();
+    }
+    if DTYPE == 5u {
+        // One invocation per 64 inputs (chunks 2g, 2g + 1): scale = max|x| / 127, codes rounded
+        // to nearest even.
+        for (var d = li; d < NT * NG; d += WG) {
+            let g = d % NG;
+            let t = d / NG;
+            var amax = 0.0;
+            for (var j = 0u; j < 16u; j++) {
+                let a = abs(xv(t, j % 8u, 2u * g + j / 8u));
+                amax = max(amax, max(max(a.x, a.y), max(a.z, a.w)));
+            }
+            let inv = select(0.0, 127.0 / amax, amax > 0.0);
+            for (var j = 0u; j < 4u; j++) {
+                let k = 2u * g + j / 2u;
+                let h = j % 2u;
+                var sq = vec4<i32>(0);
+                for (var i = 4u * h; i < 4u * h + 4u; i++) {
+                    let qv = vec4<i32>(round(xv(t, i, k) * inv));
+                    xq[(t * VPC + i) * NCH + k] = pack4xI8(qv);
+                    sq += qv;
+                }
+                xsum[(2u * t + h) * NCH + k] = f32(sq.x + sq.y + sq.z + sq.w);
+            }
+            xd[d] = amax / 127.0;
+        }
+        workgroupBarrier();
+    }
+}
+
+@compute @workgroup_size(WG)
+fn main(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+    @builtin(subgroup_id) sg: u32,
+    @builtin(num_subgroups) nsg: u32,
+    @builtin(subgroup_invocation_id) lane: u32,
+    @builtin(subgroup_size) ss: u32,
+) {
+    let slot = wid.y;
+    let t0 = wid.z * NT;
+    let nt = min(NT, p.n_tok - t0);
+    let row0 = wid.x * ROWS;
+    var mat = 0u;
+    if GROUPED {
+        mat = ids[p.ids_off + slot];
+    }
+    let wbase = p.w_off + mat * p.w_mat_stride;
+    let xbase = p.x_off + slot * p.x_slot + t0 * p.x_tok;
+    let cv = 4u * VPC;
+    for (var i = li; i < PART_LEN; i += WG) {
+        part[i] = 0.0;
+    }
+    for (var c0 = 0u; c0 < p.cols; c0 += TILE) {
+        let tc = min(TILE, p.cols - c0);
+        // Nobody may still read the previous tile's staged inputs.
+        workgroupBarrier();
+        stage(li, xbase, c0, tc, nt);
+        let nchunks = tc / cv;
+        let cfirst = c0 / cv;
+        for (var r = sg; r < ROWS; r += nsg) {
+            let row = row0 + r;
+            if row < p.rows {
+                var acc: array<f32, NT_MAX>;
+                var acc_up: array<f32, NT_MAX>;
+                let rb = wbase + row * p.row_stride;
+                // Two chunks per step, both loaded before either is used: more bytes in flight.
+                var k = lane;
+                for (; k + ss < nchunks; k += 2u * ss) {
+                    let qa = w[rb + cfirst + k];
+                    let qb = w[rb + cfirst + k + ss];
+                    chunk(qa, rb, cfirst + k, k, &acc);
+                    chunk(qb, rb, cfirst + k + ss, k + ss, &acc);
+                }
+                if k < nchunks {
+                    chunk(w[rb + cfirst + k], rb, cfirst + k, k, &acc);
+                }
+                if GATED {
+                    let ru = rb + p.w_up_off;
+                    k = lane;
+                    for (; k + ss < nchunks; k += 2u * ss) {
+                        let qa = w[ru + cfirst + k];
+                        let qb = w[ru + cfirst + k + ss];
+                        chunk(qa, ru, cfirst + k, k, &acc_up);
+                        chunk(qb, ru, cfirst + k + ss, k + ss, &acc_up);
+                    }
+                    if k < nchunks {
+                        chunk(w[ru + cfirst + k], ru, cfirst + k, k, &acc_up);
+                    }
+                }
+                for (var t = 0u; t < NT; t++) {
+                    let s = subgroupAdd(acc[t]);
+                    var su = 0.0;
+                    if GATED {
+                        su = subgroupAdd(acc_up[t]);
+                    }
+                    if lane == 0u {
+                        let i = 2u * (r * NT + t);
+                        part[i] += s;
+                        part[i + 1u] += su;
+                    }
+                }
+            }
+        }
+    }
+    workgroupBarrier();
+    for (var i = li; i < ROWS * NT; i += WG) {
+        let r = i / NT;
+        let t = i % NT;
+        let row = row0 + r;
+        if row < p.rows && t < nt {
+            var v = part[2u * i];
+            if GATED {
+                v = v / (1.0 + exp(-v)) * part[2u * i + 1u];
+            }
+            y[p.y_off + slot * p.y_slot + (t0 + t) * p.y_tok + row] = v;
+        }
+    }
+}

@@ -1,0 +1,151 @@
+// Per-head q/k RMSNorm + RoPE + KV append, one workgroup per (head, token) (CPU twins:
+// cpu::ops::rms_norm_inplace, then rope_inplace with cos/sin scaled by the attention factor,
+// then the KV cache write). Heads 0..nh are query heads (normalised with q_norm, rotated in
+// place), nh..nh+nkv key heads (k_norm, rotated, written to the K cache at pos0 + t), and the
+// last nkv are value heads (copied to the V cache). Rotate-half convention: element i pairs with
+// i + rot/2 for i < rot/2; elements from rot on are only normalised (partial rotary).
+// All buffers are read_write bindings so that q/k/v may share one buffer and K/V another.
+
+struct Params {
+    n_heads: u32,
+    n_kv: u32,
+    head_dim: u32,
+    rot_dim: u32,
+    q_off: u32,  // f32 index of token 0's q (token stride n_heads·head_dim)
+    k_off: u32,  // token stride n_kv·head_dim
+    v_off: u32,
+    kc_off: u32, // f32 index of position 0 in the K cache (position stride n_kv·head_dim)
+    vc_off: u32,
+    qn_off: u32, // q_norm weights in `qnw`, k_norm in `knw`
+    kn_off: u32,
+    inv_off: u32, // rot_dim/2 inverse frequencies in `inv`
+    eps: f32,
+    rope_scale: f32, // multiplies cos and sin (YaRN attention factor; 1 otherwise)
+    has_norm: u32,
+    _pad: u32,
+}
+
+struct Step {
+    pos0: u32,
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<uniform> step: Step;
+@group(0) @binding(2) var<storage, read_write> q: array<f32>;
+@group(0) @binding(3) var<storage, read_write> k: array<f32>;
+@group(0) @binding(4) var<storage, read_write> v: array<f32>;
+@group(0) @binding(5) var<storage, read_write> kc: array<f32>;
+@group(0) @binding(6) var<storage, read_write> vc: array<f32>;
+@group(0) @binding(7) var<storage, read> qnw: array<f32>;
+@group(0) @binding(8) var<storage, read> knw: array<f32>;
+@group(0) @binding(9) var<storage, read> inv: array<f32>;
+
+// cos and sin of a ≥ 0: reduction by π/2 with a three-part constant (Cody–Waite; the first part
+// has 8 significant bits, so k·C1 is exact while k < 2^16, i.e. a < ~100k rad), then minimax
+// polynomials on [-π/4, π/4] (Cephes sinf/cosf). Drivers' cos/sin lose accuracy for large
+// arguments; this follows the CPU's f64 cos/sin of the same f32 angle to ~1e-7.
+fn sincos(a: f32) -> vec2<f32> {
+    let kf = round(a * 0.63661977236758134);
+    let r = ((a - kf * 1.5703125) - kf * 4.837512969970703125e-4) - kf * 7.54978995489188216e-8;
+    let z = r * r;
+    let s = r + r * z * (-1.6666654611e-1 + z * (8.3321608736e-3 + z * -1.9515295891e-4));
+    let c = 1.0 - 0.5 * z + z * z * (4.166664568298827e-2 + z * (-1.388731625493765e-3 + z * 2.443315711809948e-5));
+    switch u32(kf) & 3u {
+        case 0u: { return vec2<f32>(c, s); }
+        case 1u: { return vec2<f32>(-s, c); }
+        case 2u: { return vec2<f32>(-c, -s); }
+        default: { return vec2<f32>(s, -c); }
+    }
+}
+
+fn load(is_q: bool, i: u32) -> f32 {
+    if is_q {
+        return q[i];
+    }
+    return k[i];
+}
+
+fn norm_w(is_q: bool, i: u32) -> f32 {
+    if is_q {
+        return qnw[p.qn_off + i];
+    }
+    return knw[p.kn_off + i];
+}
+
+@compute @workgroup_size(WG)
+fn main(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+    @builtin(subgroup_id) sg: u32,
+    @builtin(num_subgroups) nsg: u32,
+    @builtin(subgroup_invocation_id) lane: u32,
+) {
+    let h = wid.x;
+    let t = wid.y;
+    let hd = p.head_dim;
+    let kvw = p.n_kv * hd;
+    let pos = step.pos0 + t;
+    if h >= p.n_heads + p.n_kv {
+        let vh = h - p.n_heads - p.n_kv;
+        for (var i = li; i < hd; i += WG) {
+            vc[p.vc_off + pos * kvw + vh * hd + i] = v[p.v_off + t * kvw + vh * hd + i];
+        }
+        return;
+    }
+    let is_q = h < p.n_heads;
+    var src: u32;
+    if is_q {
+        src = p.q_off + t * p.n_heads * hd + h * hd;
+    } else {
+        src = p.k_off + t * kvw + (h - p.n_heads) * hd;
+    }
+    var r = 1.0;
+    if p.has_norm != 0u {
+        var ss = 0.0;
+        for (var i = li; i < hd; i += WG) {
+            let e = load(is_q, src + i);
+            ss += e * e;
+        }
+        // All reads of the head happen before this reduction's barriers, so the in-place writes
+        // below cannot race them.
+        r = 1.0 / sqrt(wg_sum(ss, sg, nsg, lane) / f32(hd) + p.eps);
+    }
+    let half = p.rot_dim / 2u;
+    let dst = p.kc_off + pos * kvw + (h - p.n_heads) * hd;
+    for (var i = li; i < hd; i += WG) {
+        if i >= half && i < p.rot_dim {
+            continue;
+        }
+        var out_a: f32;
+        var out_b = 0.0;
+        var a = load(is_q, src + i);
+        if p.has_norm != 0u {
+            a = a * r * norm_w(is_q, i);
+        }
+        if i < half {
+            var b = load(is_q, src + i + half);
+            if p.has_norm != 0u {
+                b = b * r * norm_w(is_q, i + half);
+            }
+            let cs = sincos(inv[p.inv_off + i] * f32(pos)) * p.rope_scale;
+            out_a = a * cs.x - b * cs.y;
+            out_b = b * cs.x + a * cs.y;
+        } else {
+            out_a = a;
+        }
+        if is_q {
+            q[src + i] = out_a;
+            if i < half {
+                q[src + i + half] = out_b;
+            }
+        } else {
+            kc[dst + i] = out_a;
+            if i < half {
+                kc[dst + i + half] = out_b;
+            }
+        }
+    }
+}

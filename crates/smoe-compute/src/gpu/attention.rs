@@ -1,0 +1,256 @@
+//! Wrappers of the attention kernels: per-head QK-norm + RoPE + KV append, and decode attention
+//! (flash-decoding: split the context, then combine). Both read the step's position `pos0` from
+//! the step uniform (`GpuContext::step_buffer` / `write_step`), so they are recorded once and
+//! replayed at every position. The caller keeps `pos0 + n_tokens <= capacity` (the engine's
+//! `KvCache::check_room`): positions are not bounds-checked on the GPU in release builds.
+
+use super::buffers::{Binding, BufRef};
+use super::context::{GpuContext, GpuError};
+use super::ops::{recordable, Dispatch};
+
+/// Per-head RMSNorm of q and k, RoPE on both, and the append of k and v to the caches.
+#[derive(Clone, Copy, Debug)]
+pub struct QkNormRopeDesc<'a> {
+    /// `[n_tokens][n_heads·head_dim]`, rotated in place.
+    pub q: BufRef<'a>,
+    /// `[n_tokens][n_kv_heads·head_dim]` each.
+    pub k: BufRef<'a>,
+    pub v: BufRef<'a>,
+    /// Position 0 of this layer's caches, `[capacity][n_kv_heads·head_dim]` each.
+    pub k_cache: BufRef<'a>,
+    pub v_cache: BufRef<'a>,
+    /// `(q_norm, k_norm)`, `head_dim` f32 each; `None`: no QK-norm.
+    pub norms: Option<(BufRef<'a>, BufRef<'a>)>,
+    /// `rot_dim / 2` inverse frequencies (the engine's `RopeTable`); `rot_dim < head_dim` is
+    /// partial rotary.
+    pub inv_freq: BufRef<'a>,
+    pub rot_dim: usize,
+    /// Multiplies cos and sin (YaRN's attention factor; 1 otherwise).
+    pub rope_scale: f32,
+    pub eps: f32,
+    pub step: &'a wgpu::Buffer,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub n_tokens: usize,
+    pub capacity: usize,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct RopeParams {
+    n_heads: u32,
+    n_kv: u32,
+    head_dim: u32,
+    rot_dim: u32,
+    q_off: u32,
+    k_off: u32,
+    v_off: u32,
+    kc_off: u32,
+    vc_off: u32,
+    qn_off: u32,
+    kn_off: u32,
+    inv_off: u32,
+    eps: f32,
+    rope_scale: f32,
+    has_norm: u32,
+    _pad: u32,
+}
+
+pub struct QkNormRope {
+    d: Dispatch,
+}
+
+impl QkNormRope {
+    pub fn new(ctx: &GpuContext, a: &QkNormRopeDesc) -> Result<Self, GpuError> {
+        let (hd, kvw) = (a.head_dim, a.n_kv_heads * a.head_dim);
+        if a.rot_dim % 2 != 0
+            || a.rot_dim > hd
+            || a.n_kv_heads == 0
+            || a.n_heads % a.n_kv_heads != 0
+        {
+            return Err(GpuError::Shape(format!(
+                "qk_norm_rope: rot_dim {} head_dim {hd}, {} heads over {} kv heads",
+                a.rot_dim, a.n_heads, a.n_kv_heads
+            )));
+        }
+        let (qb, q_off) =
+            a.q.bind(ctx, "qk_norm_rope q", a.n_tokens * a.n_heads * hd, 4)?;
+        let (kb, k_off) = a.k.bind(ctx, "qk_norm_rope k", a.n_tokens * kvw, 4)?;
+        let (vb, v_off) = a.v.bind(ctx, "qk_norm_rope v", a.n_tokens * kvw, 4)?;
+        let (kcb, kc_off) = a
+            .k_cache
+            .bind(ctx, "qk_norm_rope k cache", a.capacity * kvw, 4)?;
+        let (vcb, vc_off) = a
+            .v_cache
+            .bind(ctx, "qk_norm_rope v cache", a.capacity * kvw, 4)?;
+        let (ib, inv_off) = a
+            .inv_freq
+            .bind(ctx, "qk_norm_rope inv_freq", a.rot_dim / 2, 4)?;
+        // Without QK-norm the norm bindings are never read: bind the frequencies there.
+        let ((qnb, qn_off), (knb, kn_off)) = match a.norms {
+            Some((qn, kn)) => (
+                qn.bind(ctx, "q_norm", hd, 4)?,
+                kn.bind(ctx, "k_norm", hd, 4)?,
+            ),
+            None => ((ib, inv_off), (ib, inv_off)),
+        };
+        let p = RopeParams {
+            n_heads: a.n_heads as u32,
+            n_kv: a.n_kv_heads as u32,
+            head_dim: hd as u32,
+            rot_dim: a.rot_dim as u32,
+            q_off,
+            k_off,
+            v_off,
+            kc_off,
+            vc_off,
+            qn_off,
+            kn_off,
+            inv_off,
+            eps: a.eps,
+            rope_scale: a.rope_scale,
+            has_norm: a.norms.is_some() as u32,
+            _pad: 0,
+        };
+        let bufs = [Binding::whole(a.step), qb, kb, vb, kcb, vcb, qnb, knb, ib];
+        let heads = a.n_heads + 2 * a.n_kv_heads;
+        let d = Dispatch::new(
+            ctx,
+            "qk_norm_rope",
+            &[("WG", 128.0)],
+            &p,
+            &bufs,
+            [heads, a.n_tokens, 1],
+        )?;
+        Ok(QkNormRope { d })
+    }
+}
+recordable!(QkNormRope, "qk_norm_rope", d);
+
+/// Causal GQA attention of `n_tokens` new tokens (positions `pos0..pos0 + n_tokens`, already
+/// appended to the caches) over positions `0..=pos0 + t`.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnDesc<'a> {
+    /// `[n_tokens][n_heads·head_dim]`.
+    pub q: BufRef<'a>,
+    pub k_cache: BufRef<'a>,
+    pub v_cache: BufRef<'a>,
+    /// `[n_tokens][n_heads·head_dim]`.
+    pub out: BufRef<'a>,
+    pub step: &'a wgpu::Buffer,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub n_tokens: usize,
+    pub capacity: usize,
+    /// Multiplies q·k (1/sqrt(head_dim) for Qwen3).
+    pub scale: f32,
+    /// Sliding window: attend only to the last `window` positions (the current one included).
+    pub window: Option<usize>,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct DecodeParams {
+    n_heads: u32,
+    n_kv: u32,
+    head_dim: u32,
+    n_split: u32,
+    q_off: u32,
+    kc_off: u32,
+    vc_off: u32,
+    ml_off: u32,
+    scale: f32,
+    window: u32,
+    _pad: [u32; 2],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct CombineParams {
+    n_heads: u32,
+    head_dim: u32,
+    n_split: u32,
+    ml_off: u32,
+    out_off: u32,
+    _pad: [u32; 3],
+}
+
+pub struct DecodeAttention {
+    split: Dispatch,
+    combine: Dispatch,
+    /// Partial outputs of the splits, created here at load time.
+    _part: wgpu::Buffer,
+}
+
+/// Largest head dimension the kernel's workgroup arrays hold.
+pub const MAX_HEAD_DIM: usize = 512;
+
+impl DecodeAttention {
+    pub fn new(ctx: &GpuContext, a: &AttnDesc) -> Result<Self, GpuError> {
+        let (hd, kvw) = (a.head_dim, a.n_kv_heads * a.head_dim);
+        if hd % 4 != 0 || hd > MAX_HEAD_DIM || a.n_kv_heads == 0 || a.n_heads % a.n_kv_heads != 0 {
+            return Err(GpuError::Shape(format!(
+                "attention: head_dim {hd} (multiple of 4, at most {MAX_HEAD_DIM}), {} heads over {} kv heads",
+                a.n_heads, a.n_kv_heads
+            )));
+        }
+        let (qb, q_off) =
+            a.q.bind(ctx, "attention q", a.n_tokens * a.n_heads * hd, 16)?;
+        let (ob, out_off) = a
+            .out
+            .bind(ctx, "attention out", a.n_tokens * a.n_heads * hd, 4)?;
+        let (kb, kc_off) = a
+            .k_cache
+            .bind(ctx, "attention k cache", a.capacity * kvw, 16)?;
+        let (vb, vc_off) = a
+            .v_cache
+            .bind(ctx, "attention v cache", a.capacity * kvw, 4)?;
+        // Enough splits to fill a big GPU at long contexts; each split covers ≥ ~512 positions
+        // of a full cache, so at short contexts most of their tiles are cheap or empty.
+        let n_split = a.capacity.div_ceil(512).clamp(1, 32);
+        let rows = a.n_tokens * a.n_heads * n_split;
+        let part = ctx.storage_buffer("attention partials", 4 * (rows * (hd + 2)) as u64);
+        let ml_off = (rows * hd) as u32;
+        let dp = DecodeParams {
+            n_heads: a.n_heads as u32,
+            n_kv: a.n_kv_heads as u32,
+            head_dim: hd as u32,
+            n_split: n_split as u32,
+            q_off,
+            kc_off,
+            vc_off,
+            ml_off,
+            scale: a.scale,
+            window: a.window.unwrap_or(0) as u32,
+            _pad: [0; 2],
+        };
+        let bufs = [Binding::whole(a.step), qb, kb, vb, Binding::whole(&part)];
+        let groups = [n_split, a.n_heads, a.n_tokens];
+        let split = Dispatch::new(ctx, "attn_decode", &[("WG", 128.0)], &dp, &bufs, groups)?;
+        let cp = CombineParams {
+            n_heads: a.n_heads as u32,
+            head_dim: hd as u32,
+            n_split: n_split as u32,
+            ml_off,
+            out_off,
+            _pad: [0; 3],
+        };
+        let groups = [a.n_heads, a.n_tokens, 1];
+        let combine = Dispatch::new(
+            ctx,
+            "attn_combine",
+            &[],
+            &cp,
+            &[Binding::whole(&part), ob],
+            groups,
+        )?;
+        Ok(DecodeAttention {
+            split,
+            combine,
+            _part: part,
+        })
+    }
+}
+recordable!(DecodeAttention, "attention", split, combine);

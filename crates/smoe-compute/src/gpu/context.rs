@@ -1,0 +1,228 @@
+//! The device: adapter choice, features and limits, shader modules and the pipeline cache.
+//! Buffer helpers are in `buffers.rs`.
+
+use super::kernels;
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::Mutex;
+
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    #[error(
+        "no GPU adapter found (Vulkan, Metal or DX12); install a driver, or use --backend cpu"
+    )]
+    NoAdapter,
+    #[error("GPU adapter '{0}' lacks subgroup operations, which every smoe kernel needs")]
+    NoSubgroups(String),
+    #[error("could not open the GPU device: {0}")]
+    Device(String),
+    #[error("GPU kernel '{kernel}': {msg}")]
+    Kernel { kernel: String, msg: String },
+    #[error("GPU read-back failed: {0}")]
+    Readback(String),
+    #[error("{0}")]
+    Shape(String),
+}
+
+/// What `GpuContext::info` reports: printable with `{}`.
+#[derive(Clone, Debug)]
+pub struct GpuInfo {
+    pub adapter: wgpu::AdapterInfo,
+    pub features: wgpu::Features,
+    pub limits: wgpu::Limits,
+    pub bounds_checks: bool,
+}
+
+impl fmt::Display for GpuInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let a = &self.adapter;
+        writeln!(
+            f,
+            "adapter: {} ({:?}, {:?})",
+            a.name, a.device_type, a.backend
+        )?;
+        writeln!(f, "driver: {} {}", a.driver, a.driver_info)?;
+        writeln!(
+            f,
+            "subgroup size: {}..{}",
+            a.subgroup_min_size, a.subgroup_max_size
+        )?;
+        let mut feats = vec![];
+        for (flag, name) in [
+            (wgpu::Features::SUBGROUP, "SUBGROUP"),
+            (wgpu::Features::SHADER_F16, "SHADER_F16"),
+            (wgpu::Features::TIMESTAMP_QUERY, "TIMESTAMP_QUERY"),
+        ] {
+            if self.features.contains(flag) {
+                feats.push(name);
+            }
+        }
+        writeln!(f, "features: {}", feats.join(" "))?;
+        let l = &self.limits;
+        writeln!(
+            f,
+            "limits: max buffer {} MiB, max storage binding {} MiB, workgroup storage {} KiB, \
+             invocations/workgroup {}, workgroups/dim {}",
+            l.max_buffer_size >> 20,
+            l.max_storage_buffer_binding_size >> 20,
+            l.max_compute_workgroup_storage_size >> 10,
+            l.max_compute_invocations_per_workgroup,
+            l.max_compute_workgroups_per_dimension
+        )?;
+        write!(
+            f,
+            "shader bounds checks: {}",
+            if self.bounds_checks { "on" } else { "off" }
+        )
+    }
+}
+
+type PipelineKey = (&'static str, Vec<(&'static str, u64)>);
+
+pub struct GpuContext {
+    pub device: wgpu::Device,
+    pub queue: wgpu::Queue,
+    info: GpuInfo,
+    modules: Mutex<HashMap<&'static str, wgpu::ShaderModule>>,
+    pipelines: Mutex<HashMap<PipelineKey, wgpu::ComputePipeline>>,
+}
+
+impl GpuContext {
+    /// Opens the best adapter: a discrete / high-performance one when there is one.
+    /// Shader bounds checks are on in debug builds (tests) and off in release builds, where
+    /// they cost 2× on GEMV (DESIGN.md, H200 measurements).
+    pub fn new() -> Result<Self, GpuError> {
+        Self::with_bounds_checks(cfg!(debug_assertions))
+    }
+
+    pub fn with_bounds_checks(bounds_checks: bool) -> Result<Self, GpuError> {
+        pollster::block_on(Self::open(bounds_checks))
+    }
+
+    async fn open(bounds_checks: bool) -> Result<Self, GpuError> {
+        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
+        desc.backends = wgpu::Backends::from_env().unwrap_or(wgpu::Backends::PRIMARY);
+        let instance = wgpu::Instance::new(desc);
+        let adapter = instance
+            .request_adapter(&wgpu::RequestAdapterOptions {
+                power_preference: wgpu::PowerPreference::HighPerformance,
+                ..Default::default()
+            })
+            .await
+            .map_err(|_| GpuError::NoAdapter)?;
+        let ainfo = adapter.get_info();
+        let have = adapter.features();
+        if !have.contains(wgpu::Features::SUBGROUP) {
+            return Err(GpuError::NoSubgroups(ainfo.name));
+        }
+        let wanted =
+            wgpu::Features::SUBGROUP | wgpu::Features::SHADER_F16 | wgpu::Features::TIMESTAMP_QUERY;
+        let features = have & wanted;
+        // Everything the adapter offers: big weight bindings and workgroup memory matter here.
+        let limits = adapter.limits();
+        let (device, queue) = adapter
+            .request_device(&wgpu::DeviceDescriptor {
+                label: Some("smoe"),
+                required_features: features,
+                required_limits: limits.clone(),
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| GpuError::Device(e.to_string()))?;
+        let info = GpuInfo {
+            adapter: ainfo,
+            features,
+            limits,
+            bounds_checks,
+        };
+        Ok(GpuContext {
+            device,
+            queue,
+            info,
+            modules: Mutex::default(),
+            pipelines: Mutex::default(),
+        })
+    }
+
+    pub fn info(&self) -> &GpuInfo {
+        &self.info
+    }
+
+    pub fn limits(&self) -> &wgpu::Limits {
+        &self.info.limits
+    }
+
+    /// The compute pipeline of `kernel` (a file in `kernels/`) specialised by `constants`
+    /// (WGSL `override`s), built on first use and cached. Entry point: `main`.
+    pub fn pipeline(
+        &self,
+        kernel: &'static str,
+        constants: &[(&'static str, f64)],
+    ) -> Result<wgpu::ComputePipeline, GpuError> {
+        let key: PipelineKey = (
+            kernel,
+            constants.iter().map(|(k, v)| (*k, v.to_bits())).collect(),
+        );
+        if let Some(p) = self.pipelines.lock().unwrap().get(&key) {
+            return Ok(p.clone());
+        }
+        let module = self.module(kernel)?;
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let pipeline = self
+            .device
+            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(kernel),
+                layout: None,
+                module: &module,
+                entry_point: Some("main"),
+                compilation_options: wgpu::PipelineCompilationOptions {
+                    constants,
+                    // Every kernel writes workgroup memory before reading it.
+                    zero_initialize_workgroup_memory: false,
+                },
+                cache: None,
+            });
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(GpuError::Kernel {
+                kernel: kernel.into(),
+                msg: e.to_string(),
+            });
+        }
+        self.pipelines.lock().unwrap().insert(key, pipeline.clone());
+        Ok(pipeline)
+    }
+
+    fn module(&self, kernel: &'static str) -> Result<wgpu::ShaderModule, GpuError> {
+        if let Some(m) = self.modules.lock().unwrap().get(kernel) {
+            return Ok(m.clone());
+        }
+        let src = kernels::kernel_source(kernel).ok_or_else(|| GpuError::Kernel {
+            kernel: kernel.into(),
+            msg: "no such kernel".into(),
+        })?;
+        let desc = wgpu::ShaderModuleDescriptor {
+            label: Some(kernel),
+            source: wgpu::ShaderSource::Wgsl(src.into()),
+        };
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let module = if self.info.bounds_checks {
+            self.device.create_shader_module(desc)
+        } else {
+            // SAFETY: our kernels index only inside the ranges their wrappers bind (the wrappers
+            // check shapes against buffer sizes), every loop has a bound, and no kernel divides
+            // by a value that can be zero. Bounds checks stay on in debug builds to catch slips.
+            unsafe {
+                self.device
+                    .create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked())
+            }
+        };
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(GpuError::Kernel {
+                kernel: kernel.into(),
+                msg: e.to_string(),
+            });
+        }
+        self.modules.lock().unwrap().insert(kernel, module.clone());
+        Ok(module)
+    }
+}

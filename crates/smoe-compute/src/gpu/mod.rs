@@ -1,0 +1,44 @@
+//! GPU backend on wgpu: Vulkan on Linux and Windows, Metal on macOS, DX12 on Windows.
+//!
+//! [`GpuContext`] owns the device, the queue and a pipeline cache. Every kernel has a wrapper that
+//! is built once, at load time, from the buffers it reads and writes (creating its bind groups and
+//! parameter buffers then), and that afterwards only *records* into a caller-provided
+//! `wgpu::CommandEncoder` or `wgpu::ComputePass`: nothing is allocated or submitted in the token
+//! loop. The caller submits once per layer or once per token.
+//!
+//! Each kernel's CPU twin lives in `crate::cpu`; `tests/gpu_kernels.rs` holds them to it.
+//!
+//! Activations, norm weights and the KV cache are f32; weights are in their vault storage type
+//! (`smoe_vault::quant`), decoded inside the kernels from exactly the vault's bytes.
+
+mod attention;
+pub mod bench;
+mod buffers;
+mod context;
+mod kernels;
+mod matvec;
+mod ops;
+mod router;
+
+pub use attention::{AttnDesc, DecodeAttention, QkNormRope, QkNormRopeDesc};
+pub use buffers::{BufRef, StepParams};
+pub use context::{GpuContext, GpuError, GpuInfo};
+pub use kernels::{kernel_names, kernel_source};
+pub use matvec::{Grouped, MatVec, MatVecDesc, MatVecTuning, Q4Decode, WeightRef};
+pub use ops::{Argmax, RmsNorm, WeightedSum};
+pub use router::Router;
+/// The wgpu this backend is built on, for callers that create buffers and encoders.
+pub use wgpu;
+
+/// Records `f` into one compute pass of `enc`: the convenience behind every wrapper's `encode`.
+pub(crate) fn in_pass(
+    enc: &mut wgpu::CommandEncoder,
+    label: &str,
+    f: impl FnOnce(&mut wgpu::ComputePass<'_>),
+) {
+    let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+        label: Some(label),
+        timestamp_writes: None,
+    });
+    f(&mut pass);
+}

@@ -1,0 +1,196 @@
+//! QK-norm + RoPE + KV append, and decode attention, against the CPU forward's steps.
+
+use super::{assert_close, gpu, nan_buffer, rand_vec};
+use smoe_compute::cpu::ops::{self, AttnShape};
+use smoe_compute::gpu::{AttnDesc, BufRef, DecodeAttention, QkNormRope, QkNormRopeDesc};
+
+/// Inverse frequencies as the engine's RopeTable computes them (no YaRN).
+fn inv_freq(theta: f64, hd: usize) -> Vec<f32> {
+    (0..hd / 2)
+        .map(|i| 1.0 / theta.powf((2 * i) as f64 / hd as f64) as f32)
+        .collect()
+}
+
+/// cos/sin at `pos` as the engine computes them: f32 angle, f64 trigonometry, times scale.
+fn cos_sin(inv: &[f32], pos: usize, scale: f32) -> (Vec<f32>, Vec<f32>) {
+    let a: Vec<f32> = inv.iter().map(|f| f * pos as f32).collect();
+    (
+        a.iter().map(|a| (*a as f64).cos() as f32 * scale).collect(),
+        a.iter().map(|a| (*a as f64).sin() as f32 * scale).collect(),
+    )
+}
+
+#[test]
+fn qk_norm_rope_append_matches_cpu() {
+    let Some(ctx) = gpu() else { return };
+    // (heads, kv heads, head_dim, tokens, pos0, norm): positions up to 50k check the reduction.
+    for (nh, nkv, hd, nt, pos0, norm) in [
+        (4, 2, 128, 3, 5, true),
+        (32, 4, 128, 1, 40_000, true),
+        (8, 8, 64, 2, 0, false),
+        (2, 1, 256, 1, 50_000, true),
+    ] {
+        let cap = pos0 + nt + 3;
+        let (qw, kw) = (nh * hd, nkv * hd);
+        let seed = (nh * 1000 + pos0) as u64;
+        let (q, k, v) = (
+            rand_vec(nt * qw, seed, 2.0),
+            rand_vec(nt * kw, seed + 1, 2.0),
+            rand_vec(nt * kw, seed + 2, 2.0),
+        );
+        let qn = rand_vec(hd, seed + 3, 1.5);
+        let kn = rand_vec(hd, seed + 4, 1.5);
+        let inv = inv_freq(1e6, hd);
+        let scale = 1.1;
+        let (mut qc, mut kc) = (q.clone(), k.clone());
+        if norm {
+            ops::rms_norm_inplace(&mut qc, &qn, 1e-6);
+            ops::rms_norm_inplace(&mut kc, &kn, 1e-6);
+        }
+        for t in 0..nt {
+            let (c, s) = cos_sin(&inv, pos0 + t, scale);
+            ops::rope_inplace(&mut qc[t * qw..(t + 1) * qw], hd, &c, &s);
+            ops::rope_inplace(&mut kc[t * kw..(t + 1) * kw], hd, &c, &s);
+        }
+
+        let (qb, kb, vb) = (
+            ctx.upload_f32("q", &q),
+            ctx.upload_f32("k", &k),
+            ctx.upload_f32("v", &v),
+        );
+        // K and V caches share one buffer, V after K, as a layer's cache would.
+        let cache = nan_buffer(ctx, "kv cache", 2 * cap * kw);
+        let norms = ctx.upload_f32("norms", &[qn.clone(), kn.clone()].concat());
+        let invb = ctx.upload_f32("inv_freq", &inv);
+        let step = ctx.step_buffer();
+        ctx.write_step(&step, pos0 as u32);
+        let kern = QkNormRope::new(
+            ctx,
+            &QkNormRopeDesc {
+                q: BufRef::new(&qb),
+                k: BufRef::new(&kb),
+                v: BufRef::new(&vb),
+                k_cache: BufRef::new(&cache),
+                v_cache: BufRef::at(&cache, (4 * cap * kw) as u64),
+                norms: norm.then(|| (BufRef::new(&norms), BufRef::at(&norms, 4 * hd as u64))),
+                inv_freq: BufRef::new(&invb),
+                rot_dim: hd,
+                rope_scale: scale,
+                eps: 1e-6,
+                step: &step,
+                n_heads: nh,
+                n_kv_heads: nkv,
+                head_dim: hd,
+                n_tokens: nt,
+                capacity: cap,
+            },
+        )
+        .unwrap();
+        let mut enc = ctx.encoder();
+        kern.encode(&mut enc);
+        ctx.submit_wait(enc);
+        let what = format!("qk_norm_rope {nh}/{nkv}x{hd} pos {pos0}");
+        assert_close(
+            &format!("{what} q"),
+            &ctx.read_f32(&qb, 0, nt * qw).unwrap(),
+            &qc,
+            1e-10,
+        );
+        let at = |p: usize| (4 * p * kw) as u64;
+        assert_close(
+            &format!("{what} k"),
+            &ctx.read_f32(&cache, at(pos0), nt * kw).unwrap(),
+            &kc,
+            1e-10,
+        );
+        assert_close(
+            &format!("{what} v"),
+            &ctx.read_f32(&cache, at(cap + pos0), nt * kw).unwrap(),
+            &v,
+            0.0,
+        );
+        // Nothing else of the cache was touched.
+        assert!(
+            ctx.read_f32(&cache, at(pos0 + nt), kw)
+                .unwrap()
+                .iter()
+                .all(|x| x.is_nan()),
+            "{what}"
+        );
+    }
+}
+
+#[test]
+fn decode_attention_matches_cpu_any_context() {
+    let Some(ctx) = gpu() else { return };
+    // (heads, kv heads, head_dim, tokens, pos0, capacity, window): contexts from 1 to several
+    // tiles and splits, GQA groups 1..8, and sliding windows.
+    for (nh, nkv, hd, nt, pos0, cap, window) in [
+        (4, 2, 64, 1, 0, 16, None),
+        (8, 1, 128, 3, 34, 40, None),
+        (32, 4, 128, 1, 699, 1500, None),
+        (16, 4, 256, 3, 1400, 1500, None),
+        (6, 3, 128, 2, 5000, 5003, None),
+        (8, 2, 64, 3, 1000, 1100, Some(128)),
+        (4, 4, 64, 2, 10, 20, Some(100)),
+    ] {
+        let kw = nkv * hd;
+        let seed = (nh * 7 + pos0) as u64;
+        let q = rand_vec(nt * nh * hd, seed, 1.0);
+        let kcache = rand_vec(cap * kw, seed + 1, 1.0);
+        let vcache = rand_vec(cap * kw, seed + 2, 1.0);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let n_ctx = pos0 + nt;
+        let mut want = vec![0f32; nt * nh * hd];
+        let shape = AttnShape {
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: hd,
+            scale,
+            window,
+        };
+        ops::attention(
+            &q,
+            &kcache[..n_ctx * kw],
+            &vcache[..n_ctx * kw],
+            pos0,
+            shape,
+            &mut want,
+        );
+
+        let qb = ctx.upload_f32("q", &q);
+        let kb = ctx.upload_f32("k cache", &kcache);
+        let vb = ctx.upload_f32("v cache", &vcache);
+        let ob = nan_buffer(ctx, "out", nt * nh * hd);
+        let step = ctx.step_buffer();
+        ctx.write_step(&step, pos0 as u32);
+        let attn = DecodeAttention::new(
+            ctx,
+            &AttnDesc {
+                q: BufRef::new(&qb),
+                k_cache: BufRef::new(&kb),
+                v_cache: BufRef::new(&vb),
+                out: BufRef::new(&ob),
+                step: &step,
+                n_heads: nh,
+                n_kv_heads: nkv,
+                head_dim: hd,
+                n_tokens: nt,
+                capacity: cap,
+                scale,
+                window,
+            },
+        )
+        .unwrap();
+        let mut enc = ctx.encoder();
+        attn.encode(&mut enc);
+        ctx.submit_wait(enc);
+        let got = ctx.read_f32(&ob, 0, nt * nh * hd).unwrap();
+        assert_close(
+            &format!("attention {nh}/{nkv}x{hd} tokens {nt} pos0 {pos0} window {window:?}"),
+            &got,
+            &want,
+            1e-10,
+        );
+    }
+}

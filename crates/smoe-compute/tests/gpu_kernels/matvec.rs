@@ -1,0 +1,334 @@
+//! matvec (plain, gated, grouped) against `cpu::matmul` on the same stored bytes.
+
+use super::{assert_close, gpu, nan_buffer, rand_vec};
+use smoe_compute::cpu::{matmul, ops::silu_mul, QMatRef};
+use smoe_compute::gpu::{
+    BufRef, GpuContext, Grouped, MatVec, MatVecDesc, MatVecTuning, Q4Decode, WeightRef,
+};
+use smoe_vault::quant::{dequantize_row, quantize_matrix, DType};
+
+const DTYPES: [DType; 4] = [DType::Bf16, DType::Q8, DType::Q4, DType::Q2];
+
+/// Uploads `bytes` at byte offset `pad` of a bigger buffer, so kernels must honour the offset.
+fn upload_at(ctx: &GpuContext, bytes: &[u8], pad: usize) -> smoe_compute::gpu::wgpu::Buffer {
+    let mut all = vec![0xA5u8; pad];
+    all.extend_from_slice(bytes);
+    all.extend_from_slice(&[0x5Au8; 48]);
+    ctx.upload("weights", &all)
+}
+
+fn run_one(ctx: &GpuContext, dtype: DType, rows: usize, cols: usize, nt: usize, seed: u64) {
+    run_tuned(ctx, dtype, rows, cols, nt, seed, MatVecTuning::default());
+}
+
+fn run_tuned(
+    ctx: &GpuContext,
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    nt: usize,
+    seed: u64,
+    tune: MatVecTuning,
+) {
+    let wf = rand_vec(rows * cols, seed, 1.0);
+    let q = quantize_matrix(dtype, &wf, rows, cols);
+    let x = rand_vec(nt * cols, seed + 1, 1.0);
+    let mut want = vec![0f32; nt * rows];
+    matmul(QMatRef::new(dtype, rows, cols, &q), &x, nt, &mut want);
+
+    let pad = 16 * (seed as usize % 7);
+    let wbuf = upload_at(ctx, &q, pad);
+    // x sits after 32 floats of garbage; y after 16 NaNs, to exercise both offsets.
+    let mut xh = vec![7.0f32; 32];
+    xh.extend_from_slice(&x);
+    let xbuf = ctx.upload_f32("x", &xh);
+    let ybuf = nan_buffer(ctx, "y", 16 + nt * rows);
+    let mv = MatVec::with_tuning(
+        ctx,
+        &MatVecDesc {
+            w: WeightRef {
+                buffer: &wbuf,
+                offset: pad as u64,
+                dtype,
+                rows,
+                cols,
+            },
+            up_offset: None,
+            x: BufRef::at(&xbuf, 128),
+            y: BufRef::at(&ybuf, 64),
+            n_tokens: nt,
+            grouped: None,
+        },
+        tune,
+    )
+    .unwrap();
+    let mut enc = ctx.encoder();
+    mv.encode(&mut enc);
+    ctx.submit_wait(enc);
+    let got = ctx.read_f32(&ybuf, 64, nt * rows).unwrap();
+    assert_close(
+        &format!("{dtype} {rows}x{cols} tokens {nt} {tune:?}"),
+        &got,
+        &want,
+        1e-5,
+    );
+    let head = ctx.read_f32(&ybuf, 0, 16).unwrap();
+    assert!(
+        head.iter().all(|v| v.is_nan()),
+        "{dtype} {rows}x{cols}: wrote before its offset"
+    );
+}
+
+#[test]
+fn matvec_all_dtypes_odd_sizes() {
+    let Some(ctx) = gpu() else { return };
+    let mut seed = 1;
+    for dtype in DTYPES {
+        for rows in [1, 7, 33, 1000] {
+            for cols in [64, 192, 320, 2048] {
+                for nt in [1, 3] {
+                    run_one(ctx, dtype, rows, cols, nt, seed);
+                    seed += 1;
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matvec_wide_rows_and_many_tokens() {
+    // 4160 columns need several staging tiles; 9 tokens need two workgroups along z.
+    let Some(ctx) = gpu() else { return };
+    for (i, dtype) in DTYPES.into_iter().enumerate() {
+        run_one(ctx, dtype, 45, 4160, 3, 100 + i as u64);
+        run_one(ctx, dtype, 17, 4160, 1, 110 + i as u64);
+        run_one(ctx, dtype, 20, 256, 9, 120 + i as u64);
+    }
+}
+
+#[test]
+fn matvec_tunings_and_q4_decoders_agree() {
+    // Other launch shapes (subgroups sharing rows differently) and the plain q4 decoder.
+    let Some(ctx) = gpu() else { return };
+    for (wg, rows, q4) in [
+        (64, 8, Q4Decode::FloatBits),
+        (256, 32, Q4Decode::FloatBits),
+        (128, 16, Q4Decode::IntToFloat),
+        (256, 64, Q4Decode::IntToFloat),
+    ] {
+        let tune = MatVecTuning { wg, rows, q4 };
+        for dtype in DTYPES {
+            for (r, c, nt) in [(1, 64, 1), (33, 320, 3), (1000, 2048, 1), (70, 4160, 2)] {
+                run_tuned(ctx, dtype, r, c, nt, 500 + r as u64 + wg as u64, tune);
+            }
+        }
+    }
+}
+
+#[test]
+fn matvec_gated_is_silu_gate_times_up() {
+    let Some(ctx) = gpu() else { return };
+    for (i, dtype) in DTYPES.into_iter().enumerate() {
+        for (rows, cols, nt) in [(33, 192, 1), (7, 320, 3), (96, 2048, 1)] {
+            let seed = 200 + 10 * i as u64 + nt as u64;
+            let g = quantize_matrix(dtype, &rand_vec(rows * cols, seed, 1.0), rows, cols);
+            let u = quantize_matrix(dtype, &rand_vec(rows * cols, seed + 1, 1.0), rows, cols);
+            let x = rand_vec(nt * cols, seed + 2, 1.0);
+            let (mut gw, mut uw) = (vec![0f32; nt * rows], vec![0f32; nt * rows]);
+            matmul(QMatRef::new(dtype, rows, cols, &g), &x, nt, &mut gw);
+            matmul(QMatRef::new(dtype, rows, cols, &u), &x, nt, &mut uw);
+            silu_mul(&mut gw, &uw);
+            let blob = [g.clone(), u].concat();
+            let wbuf = ctx.upload("gate_up", &blob);
+            let xbuf = ctx.upload_f32("x", &x);
+            let ybuf = nan_buffer(ctx, "y", nt * rows);
+            let mv = MatVec::new(
+                ctx,
+                &MatVecDesc {
+                    w: WeightRef {
+                        buffer: &wbuf,
+                        offset: 0,
+                        dtype,
+                        rows,
+                        cols,
+                    },
+                    up_offset: Some(g.len() as u64),
+                    x: BufRef::new(&xbuf),
+                    y: BufRef::new(&ybuf),
+                    n_tokens: nt,
+                    grouped: None,
+                },
+            )
+            .unwrap();
+            let mut enc = ctx.encoder();
+            mv.encode(&mut enc);
+            ctx.submit_wait(enc);
+            let got = ctx.read_f32(&ybuf, 0, nt * rows).unwrap();
+            assert_close(
+                &format!("gated {dtype} {rows}x{cols} tokens {nt}"),
+                &got,
+                &gw,
+                1e-5,
+            );
+        }
+    }
+}
+
+#[test]
+fn matvec_grouped_picks_matrices_by_id() {
+    // Six "experts" in one buffer with a padded blob stride; slots pick 4 of them (one twice).
+    let Some(ctx) = gpu() else { return };
+    for (i, dtype) in DTYPES.into_iter().enumerate() {
+        let (rows, cols, n_mats) = (40usize, 192usize, 6usize);
+        let size = dtype.row_stride(cols) * rows;
+        let stride = (size + 300).next_multiple_of(16);
+        let mats: Vec<Vec<u8>> = (0..n_mats)
+            .map(|m| {
+                quantize_matrix(
+                    dtype,
+                    &rand_vec(rows * cols, 300 + 10 * i as u64 + m as u64, 1.0),
+                    rows,
+                    cols,
+                )
+            })
+            .collect();
+        let mut blob = vec![0u8; stride * n_mats];
+        for (m, q) in mats.iter().enumerate() {
+            blob[m * stride..m * stride + size].copy_from_slice(q);
+        }
+        let ids: Vec<u32> = vec![4, 1, 4, 0];
+        for x_per_slot in [false, true] {
+            let x_slots = if x_per_slot { ids.len() } else { 1 };
+            let x = rand_vec(x_slots * cols, 400 + i as u64, 1.0);
+            let mut want = vec![0f32; ids.len() * rows];
+            for (s, &id) in ids.iter().enumerate() {
+                let xs = if x_per_slot {
+                    &x[s * cols..(s + 1) * cols]
+                } else {
+                    &x[..]
+                };
+                let q = &mats[id as usize];
+                matmul(
+                    QMatRef::new(dtype, rows, cols, q),
+                    xs,
+                    1,
+                    &mut want[s * rows..(s + 1) * rows],
+                );
+            }
+            let wbuf = ctx.upload("experts", &blob);
+            let idbuf = ctx.upload("ids", bytemuck::cast_slice(&ids));
+            let xbuf = ctx.upload_f32("x", &x);
+            let ybuf = nan_buffer(ctx, "y", ids.len() * rows);
+            let grouped = Grouped {
+                ids: &idbuf,
+                ids_offset: 0,
+                n_slots: ids.len(),
+                n_mats,
+                mat_stride: stride as u64,
+                x_per_slot,
+            };
+            let mv = MatVec::new(
+                ctx,
+                &MatVecDesc {
+                    w: WeightRef {
+                        buffer: &wbuf,
+                        offset: 0,
+                        dtype,
+                        rows,
+                        cols,
+                    },
+                    up_offset: None,
+                    x: BufRef::new(&xbuf),
+                    y: BufRef::new(&ybuf),
+                    n_tokens: 1,
+                    grouped: Some(grouped),
+                },
+            )
+            .unwrap();
+            let mut enc = ctx.encoder();
+            mv.encode(&mut enc);
+            ctx.submit_wait(enc);
+            let got = ctx.read_f32(&ybuf, 0, ids.len() * rows).unwrap();
+            assert_close(
+                &format!("grouped {dtype} x_per_slot {x_per_slot}"),
+                &got,
+                &want,
+                1e-5,
+            );
+        }
+    }
+}
+
+/// The opt-in q4 path that quantizes x to int8 per 64 inputs: exact against a twin that does the
+/// same (up to rare rounding flips: the GPU's 127/amax may differ by an ulp), and within the
+/// expected quantization noise of the f32 twin.
+#[test]
+fn matvec_q4_int8_activations() {
+    let Some(ctx) = gpu() else { return };
+    let tune = MatVecTuning {
+        q4: Q4Decode::Int8Dot,
+        ..Default::default()
+    };
+    for (rows, cols, nt) in [
+        (1, 64, 1),
+        (33, 320, 3),
+        (1000, 2048, 1),
+        (45, 4160, 2),
+        (20, 256, 9),
+    ] {
+        let seed = 600 + rows as u64;
+        let q = quantize_matrix(DType::Q4, &rand_vec(rows * cols, seed, 1.0), rows, cols);
+        let x = rand_vec(nt * cols, seed + 1, 1.0);
+        let mut exact = vec![0f32; nt * rows];
+        matmul(QMatRef::new(DType::Q4, rows, cols, &q), &x, nt, &mut exact);
+        // x as the kernel sees it: int8 codes times a scale per 64.
+        let xq: Vec<f32> = x
+            .chunks(64)
+            .flat_map(|g| {
+                let amax = g.iter().fold(0f32, |a, v| a.max(v.abs()));
+                let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+                g.iter()
+                    .map(move |v| (v * inv).round_ties_even() * (amax / 127.0))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        let stride = DType::Q4.row_stride(cols);
+        let mut w = vec![0f32; cols];
+        let mut twin = vec![0f32; nt * rows];
+        for r in 0..rows {
+            dequantize_row(DType::Q4, &q[r * stride..(r + 1) * stride], &mut w);
+            for t in 0..nt {
+                twin[t * rows + r] = w
+                    .iter()
+                    .zip(&xq[t * cols..(t + 1) * cols])
+                    .map(|(a, b)| (a * b) as f64)
+                    .sum::<f64>() as f32;
+            }
+        }
+        let wbuf = ctx.upload("w", &q);
+        let xbuf = ctx.upload_f32("x", &x);
+        let ybuf = nan_buffer(ctx, "y", nt * rows);
+        let desc = MatVecDesc {
+            w: WeightRef {
+                buffer: &wbuf,
+                offset: 0,
+                dtype: DType::Q4,
+                rows,
+                cols,
+            },
+            up_offset: None,
+            x: BufRef::new(&xbuf),
+            y: BufRef::new(&ybuf),
+            n_tokens: nt,
+            grouped: None,
+        };
+        let mv = MatVec::with_tuning(ctx, &desc, tune).unwrap();
+        let mut enc = ctx.encoder();
+        mv.encode(&mut enc);
+        ctx.submit_wait(enc);
+        let got = ctx.read_f32(&ybuf, 0, nt * rows).unwrap();
+        let what = format!("q4 int8 {rows}x{cols} tokens {nt}");
+        assert_close(&format!("{what} vs int8 twin"), &got, &twin, 1e-6);
+        assert_close(&format!("{what} vs f32 twin"), &got, &exact, 1e-3);
+    }
+}

@@ -1,0 +1,78 @@
+//! Every kernel through naga's Metal (MSL) backend, with the capabilities the GPU backend
+//! requests (subgroups, f16), so a Metal-only translation failure fails CI without a Mac.
+//! Needs no GPU. naga is pinned to the version wgpu uses (see Cargo.toml).
+
+use naga::back::msl;
+use naga::valid::{Capabilities, ShaderStages, SubgroupOperationSet, ValidationFlags, Validator};
+use smoe_compute::gpu::{kernel_names, kernel_source};
+
+/// The override sets worth checking per kernel: the defaults, and for matvec every dtype with
+/// the gated and grouped variants.
+fn variants(kernel: &str) -> Vec<Vec<(&'static str, f64)>> {
+    if kernel != "matvec" {
+        return vec![vec![]];
+    }
+    let mut v = vec![];
+    for dtype in 0..4 {
+        for (gated, grouped) in [(0.0, 0.0), (1.0, 0.0), (0.0, 1.0), (1.0, 1.0)] {
+            v.push(vec![
+                ("DTYPE", dtype as f64),
+                ("NT", 3.0),
+                ("TILE", 1344.0),
+                ("GATED", gated),
+                ("GROUPED", grouped),
+            ]);
+        }
+    }
+    v
+}
+
+fn translate(name: &str, constants: &[(&'static str, f64)]) -> Result<String, String> {
+    let src = kernel_source(name).unwrap();
+    let module = naga::front::wgsl::parse_str(&src).map_err(|e| e.emit_to_string(&src))?;
+    // SHADER_FLOAT16_IN_FLOAT32 (unpack2x16float) is a downlevel capability every Metal and Vulkan
+    // device has; wgpu grants it there.
+    let caps = Capabilities::SUBGROUP
+        | Capabilities::SUBGROUP_BARRIER
+        | Capabilities::SHADER_FLOAT16
+        | Capabilities::SHADER_FLOAT16_IN_FLOAT32;
+    let mut validator = Validator::new(ValidationFlags::all(), caps);
+    validator
+        .subgroup_stages(ShaderStages::COMPUTE)
+        .subgroup_operations(SubgroupOperationSet::all());
+    let info = validator.validate(&module).map_err(|e| format!("{e:?}"))?;
+    let mut consts = naga::back::PipelineConstants::default();
+    consts.extend(constants.iter().map(|(k, v)| (k.to_string(), *v)));
+    let (module, info) =
+        naga::back::pipeline_constants::process_overrides(&module, &info, None, &consts)
+            .map_err(|e| format!("overrides: {e:?}"))?;
+    let options = msl::Options {
+        lang_version: (2, 4),
+        ..Default::default()
+    };
+    let pipeline = msl::PipelineOptions {
+        entry_point: Some((naga::ShaderStage::Compute, "main".into())),
+        ..Default::default()
+    };
+    let (out, _) = msl::write_string(&module, &info, &options, &pipeline)
+        .map_err(|e| format!("msl: {e:?}"))?;
+    Ok(out)
+}
+
+#[test]
+fn every_kernel_translates_to_msl() {
+    let mut failures = vec![];
+    for name in kernel_names() {
+        for consts in variants(name) {
+            match translate(name, &consts) {
+                Ok(msl) => assert!(msl.contains("kernel"), "{name}: no kernel function in MSL"),
+                Err(e) => failures.push(format!("{name} {consts:?}: {e}")),
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "MSL translation failed:\n{}",
+        failures.join("\n")
+    );
+}

@@ -1,0 +1,181 @@
+//! RMSNorm, weighted accumulate, argmax and the router against their CPU twins.
+
+use super::{assert_close, gpu, nan_buffer, rand_vec};
+use smoe_compute::cpu::ops;
+use smoe_compute::gpu::{Argmax, BufRef, RmsNorm, Router, WeightedSum};
+
+#[test]
+fn rms_norm_matches_cpu() {
+    let Some(ctx) = gpu() else { return };
+    for (n, rows) in [(64, 1), (2048, 3), (4096, 1), (333, 7)] {
+        let x = rand_vec(n * rows, n as u64, 3.0);
+        let w = rand_vec(n, 7 + n as u64, 1.0);
+        let mut want = vec![0f32; n * rows];
+        ops::rms_norm(&x, &w, 1e-6, &mut want);
+        let (xb, wb) = (ctx.upload_f32("x", &x), ctx.upload_f32("w", &w));
+        let yb = nan_buffer(ctx, "y", n * rows);
+        let k = RmsNorm::new(
+            ctx,
+            BufRef::new(&xb),
+            BufRef::new(&wb),
+            BufRef::new(&yb),
+            n,
+            rows,
+            1e-6,
+        )
+        .unwrap();
+        let mut enc = ctx.encoder();
+        k.encode(&mut enc);
+        ctx.submit_wait(enc);
+        assert_close(
+            &format!("rms_norm {n}x{rows}"),
+            &ctx.read_f32(&yb, 0, n * rows).unwrap(),
+            &want,
+            1e-10,
+        );
+    }
+}
+
+#[test]
+fn weighted_sum_matches_axpy() {
+    let Some(ctx) = gpu() else { return };
+    for (n, k, nt) in [(2048, 8, 1), (77, 3, 3), (1, 1, 1)] {
+        let acc0 = rand_vec(n * nt, 1 + n as u64, 1.0);
+        let y = rand_vec(n * k * nt, 2 + n as u64, 1.0);
+        let w = rand_vec(k * nt, 3 + n as u64, 1.0);
+        let mut want = acc0.clone();
+        for t in 0..nt {
+            for s in 0..k {
+                let slot = t * k + s;
+                ops::axpy(
+                    &mut want[t * n..(t + 1) * n],
+                    w[slot],
+                    &y[slot * n..(slot + 1) * n],
+                );
+            }
+        }
+        let (ab, yb, wb) = (
+            ctx.upload_f32("acc", &acc0),
+            ctx.upload_f32("y", &y),
+            ctx.upload_f32("w", &w),
+        );
+        let kern = WeightedSum::new(
+            ctx,
+            BufRef::new(&ab),
+            BufRef::new(&yb),
+            BufRef::new(&wb),
+            n,
+            k,
+            nt,
+        )
+        .unwrap();
+        let mut enc = ctx.encoder();
+        kern.encode(&mut enc);
+        ctx.submit_wait(enc);
+        assert_close(
+            &format!("weighted_sum {n} k {k} tokens {nt}"),
+            &ctx.read_f32(&ab, 0, n * nt).unwrap(),
+            &want,
+            1e-10,
+        );
+    }
+}
+
+/// The engine's `sampler::argmax` rule, restated: first maximum, NaN never wins.
+fn cpu_argmax(l: &[f32]) -> u32 {
+    let (mut best, mut bv) = (0usize, f32::NEG_INFINITY);
+    for (i, &v) in l.iter().enumerate() {
+        if v > bv {
+            best = i;
+            bv = v;
+        }
+    }
+    best as u32
+}
+
+#[test]
+fn argmax_matches_cpu_with_ties_and_nans() {
+    let Some(ctx) = gpu() else { return };
+    let n = 151_936;
+    let mut rows: Vec<Vec<f32>> = (0..3).map(|r| rand_vec(n, 50 + r, 10.0)).collect();
+    // Ties: the same maximum at two places; the lower index must win.
+    rows[1][90_000] = 20.0;
+    rows[1][12_345] = 20.0;
+    // NaNs around a maximum, and a row that is all -inf except NaNs (→ 0).
+    rows[2][7] = f32::NAN;
+    rows[2][100_000] = 30.0;
+    let mut odd = vec![f32::NEG_INFINITY; 1000];
+    odd[3] = f32::NAN;
+    for (i, row) in rows.iter().chain([&odd]).enumerate() {
+        let xb = ctx.upload_f32("logits", row);
+        let ob = ctx.upload("out", &[0xFFu8; 16]);
+        let k = Argmax::new(ctx, BufRef::new(&xb), BufRef::new(&ob), row.len(), 1).unwrap();
+        let mut enc = ctx.encoder();
+        k.encode(&mut enc);
+        ctx.submit_wait(enc);
+        assert_eq!(
+            ctx.read_u32(&ob, 0, 1).unwrap()[0],
+            cpu_argmax(row),
+            "row {i}"
+        );
+    }
+    // Several rows in one dispatch.
+    let flat: Vec<f32> = rows.concat();
+    let xb = ctx.upload_f32("logits", &flat);
+    let ob = ctx.upload("out", &[0xFFu8; 16]);
+    let k = Argmax::new(ctx, BufRef::new(&xb), BufRef::new(&ob), n, 3).unwrap();
+    let mut enc = ctx.encoder();
+    k.encode(&mut enc);
+    ctx.submit_wait(enc);
+    let want: Vec<u32> = rows.iter().map(|r| cpu_argmax(r)).collect();
+    assert_eq!(ctx.read_u32(&ob, 0, 3).unwrap(), want);
+}
+
+#[test]
+fn router_matches_route_softmax_topk() {
+    let Some(ctx) = gpu() else { return };
+    for (n_exp, k, nt, normalize) in [
+        (128, 8, 1, true),
+        (128, 8, 3, false),
+        (64, 6, 2, true),
+        (8, 2, 1, true),
+        (257, 1, 1, false),
+    ] {
+        let logits = rand_vec(n_exp * nt, n_exp as u64 + k as u64, 4.0);
+        let lb = ctx.upload_f32("logits", &logits);
+        let ib = ctx.upload("ids", &vec![0xFFu8; 4 * k * nt]);
+        let wb = nan_buffer(ctx, "weights", k * nt);
+        let r = Router::new(
+            ctx,
+            BufRef::new(&lb),
+            BufRef::new(&ib),
+            BufRef::new(&wb),
+            n_exp,
+            k,
+            nt,
+            normalize,
+        )
+        .unwrap();
+        let mut enc = ctx.encoder();
+        r.encode(&mut enc);
+        ctx.submit_wait(enc);
+        let ids = ctx.read_u32(&ib, 0, k * nt).unwrap();
+        let wts = ctx.read_f32(&wb, 0, k * nt).unwrap();
+        for t in 0..nt {
+            let want = ops::route_softmax_topk(&logits[t * n_exp..(t + 1) * n_exp], k, normalize);
+            let want_ids: Vec<u32> = want.iter().map(|x| x.0 as u32).collect();
+            let want_w: Vec<f32> = want.iter().map(|x| x.1).collect();
+            assert_eq!(
+                &ids[t * k..(t + 1) * k],
+                &want_ids[..],
+                "router {n_exp} k {k} token {t}"
+            );
+            assert_close(
+                &format!("router weights {n_exp} k {k}"),
+                &wts[t * k..(t + 1) * k],
+                &want_w,
+                1e-10,
+            );
+        }
+    }
+}
