@@ -5,6 +5,7 @@ use crate::error::EngineError;
 use crate::kv_cache::KvCache;
 use crate::model::{Logits, Model, Scratch};
 use crate::sampler::{argmax, log_softmax_at, Sampler, SamplerConfig, StopStrings};
+use crate::store::StoreOptions;
 use crate::tokenizer::Tokenizer;
 use serde::Serialize;
 use smoe_vault::{GenerationDefaults, Vault};
@@ -17,6 +18,8 @@ pub struct EngineOptions {
     pub verify: bool,
     /// Tokens per prefill chunk: bounds activation memory, keeps weight reads shared.
     pub prefill_chunk: usize,
+    /// Where routed experts live: memory-mapped, or streamed into a bounded cache.
+    pub store: StoreOptions,
 }
 
 impl Default for EngineOptions {
@@ -24,6 +27,7 @@ impl Default for EngineOptions {
         EngineOptions {
             verify: true,
             prefill_chunk: 256,
+            store: StoreOptions::default(),
         }
     }
 }
@@ -44,7 +48,7 @@ impl Engine {
         if opts.verify {
             vault.verify_scout()?;
         }
-        let model = Model::load(&vault)?;
+        let model = Model::load(&vault, &opts.store)?;
         let text = &vault.header.text;
         let tokenizer = text
             .tokenizer_json

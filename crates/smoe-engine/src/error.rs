@@ -12,6 +12,12 @@ pub enum EngineError {
     TokenOutOfRange { id: u32, vocab: usize },
     #[error("{0}")]
     Invalid(String),
+    #[error("reading expert {expert} of layer {layer}: {reason}")]
+    ExpertRead {
+        layer: usize,
+        expert: usize,
+        reason: String,
+    },
     #[error("this model has no tokenizer; pass token ids (--prompt-ids)")]
     NoTokenizer,
     #[error(transparent)]

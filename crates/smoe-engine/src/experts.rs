@@ -73,15 +73,34 @@ impl ExpertStore {
             self.vault.verify_expert(blob, bytes)?;
             self.verified[i].store(true, Ordering::Relaxed);
         }
+        Ok(Expert::from_blob(&self.parts, bytes))
+    }
+
+    /// The index of (layer, expert) in the vault's blob list.
+    pub fn blob_index(&self, layer: usize, expert: usize) -> Option<usize> {
+        self.index[layer * self.n_experts + expert]
+    }
+
+    pub fn parts(&self) -> &[ExpertPart] {
+        &self.parts
+    }
+}
+
+impl<'a> Expert<'a> {
+    /// The three matrices inside one blob's bytes, as the vault's part table places them.
+    pub fn from_blob(parts: &[ExpertPart], bytes: &'a [u8]) -> Self {
         let part = |name: &str| {
-            let p = self.parts.iter().find(|p| p.name == name).unwrap();
+            let p = parts
+                .iter()
+                .find(|p| p.name == name)
+                .expect("part checked at load");
             let b = &bytes[p.offset as usize..(p.offset + p.length) as usize];
             QMatRef::new(p.dtype, p.shape[0], p.shape[1], b)
         };
-        Ok(Expert {
+        Expert {
             gate: part("gate_proj"),
             up: part("up_proj"),
             down: part("down_proj"),
-        })
+        }
     }
 }

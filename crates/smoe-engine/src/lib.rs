@@ -8,6 +8,7 @@ pub mod kv_cache;
 pub mod model;
 pub mod rope;
 pub mod sampler;
+pub mod store;
 pub mod tokenizer;
 
 pub use engine::{Engine, GenerateOptions, Generation, LogprobsResult, Session};

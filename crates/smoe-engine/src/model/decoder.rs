@@ -14,9 +14,9 @@
 
 use super::{mat, Logits, Scratch};
 use crate::error::EngineError;
-use crate::experts::ExpertStore;
 use crate::kv_cache::KvCache;
 use crate::rope::RopeTable;
+use crate::store::{Experts, StoreOptions};
 use smoe_compute::cpu::{self, matmul, ops, QMatRef};
 use smoe_vault::config::QkNorm;
 use smoe_vault::{FfnKind, ModelConfig, TensorData, Vault};
@@ -60,11 +60,11 @@ pub struct Decoder {
     norm: Vec<f32>,
     lm_head: TensorData,
     rope: RopeTable,
-    experts: ExpertStore,
+    pub experts: Experts,
 }
 
 impl Decoder {
-    pub fn load(vault: &Vault) -> Result<Self, EngineError> {
+    pub fn load(vault: &Vault, store: &StoreOptions) -> Result<Self, EngineError> {
         let cfg = vault.header.config.clone();
         let t = |n: &str| vault.tensor(n);
         let v = |n: &str| vault.tensor(n).map(|t| t.to_f32());
@@ -131,7 +131,7 @@ impl Decoder {
         };
         Ok(Decoder {
             rope: RopeTable::new(&cfg.rope, cfg.head_dim),
-            experts: ExpertStore::new(vault)?,
+            experts: Experts::open(vault, store)?,
             norm: v("model.norm.weight")?,
             embed,
             layers,
@@ -219,6 +219,7 @@ impl Decoder {
         for (kv, run) in kvs.iter_mut().zip(runs) {
             kv.len += run.len();
         }
+        self.experts.tick();
         spans
             .iter()
             .zip(want)
@@ -333,16 +334,26 @@ impl Decoder {
                 by_expert[e].push((i, w));
             }
         }
-        for (e, routed) in by_expert.iter().enumerate().filter(|(_, r)| !r.is_empty()) {
-            let ex = self.experts.get(l, e)?;
-            let n = routed.len();
+        // Experts may arrive in any order (cache hits first, then finished reads); their outputs
+        // are summed in expert order so the tokens never depend on the cache.
+        let used: Vec<usize> = (0..ne).filter(|&e| !by_expert[e].is_empty()).collect();
+        let mut outs: Vec<Vec<f32>> = vec![vec![]; ne];
+        let x = &s.h;
+        self.experts.for_each(l, &used, &mut |e, ex| {
+            let routed = &by_expert[e];
             let xs: Vec<f32> = routed
                 .iter()
-                .flat_map(|&(i, _)| s.h[i * h..(i + 1) * h].iter().copied())
+                .flat_map(|&(i, _)| x[i * h..(i + 1) * h].iter().copied())
                 .collect();
-            let out = swiglu(ex.gate, ex.up, ex.down, &xs, n);
-            for (j, &(i, w)) in routed.iter().enumerate() {
-                ops::axpy(&mut s.x[i * h..(i + 1) * h], w, &out[j * h..(j + 1) * h]);
+            outs[e] = swiglu(ex.gate, ex.up, ex.down, &xs, routed.len());
+        })?;
+        for &e in &used {
+            for (j, &(i, w)) in by_expert[e].iter().enumerate() {
+                ops::axpy(
+                    &mut s.x[i * h..(i + 1) * h],
+                    w,
+                    &outs[e][j * h..(j + 1) * h],
+                );
             }
         }
         Ok(())

@@ -42,11 +42,11 @@ pub enum Model {
 }
 
 impl Model {
-    pub fn load(vault: &Vault) -> Result<Self, EngineError> {
+    pub fn load(vault: &Vault, store: &crate::store::StoreOptions) -> Result<Self, EngineError> {
         use Architecture::*;
         match vault.header.config.architecture {
             Qwen3Moe | Qwen2Moe | Mixtral | Olmoe => {
-                Ok(Model::Decoder(decoder::Decoder::load(vault)?))
+                Ok(Model::Decoder(decoder::Decoder::load(vault, store)?))
             }
         }
     }
@@ -54,6 +54,13 @@ impl Model {
     pub fn config(&self) -> &ModelConfig {
         match self {
             Model::Decoder(m) => &m.cfg,
+        }
+    }
+
+    /// The routed experts' store (stats, profile, preload).
+    pub fn experts(&self) -> &crate::store::Experts {
+        match self {
+            Model::Decoder(m) => &m.experts,
         }
     }
 

@@ -1,0 +1,320 @@
+//! Where routed experts come from: memory-mapped from the vault (resident; the OS pages them),
+//! or streamed from the vault into a bounded cache for models larger than memory. Either way
+//! the tokens are the same: the decoder sums expert outputs in expert order, whatever order
+//! they arrive in.
+
+pub mod aligned;
+pub mod cache;
+pub mod profile;
+pub mod reader;
+pub mod stats;
+pub mod streamed;
+
+use crate::error::EngineError;
+pub use crate::experts::Expert;
+use crate::experts::ExpertStore;
+use profile::Profile;
+pub use reader::FaultHook;
+use smoe_vault::Vault;
+pub use stats::StoreStats;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use streamed::StreamedStore;
+
+/// How much memory routed experts may take (`--expert-cache`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum CacheBudget {
+    /// All experts memory-mapped (no explicit cache).
+    Resident,
+    Bytes(u64),
+    /// A fraction of the vault's expert bytes.
+    Fraction(f64),
+    /// Available memory minus a margin.
+    Auto,
+}
+
+impl std::str::FromStr for CacheBudget {
+    type Err = String;
+    /// `8GiB`, `512MiB`, `10GB`, `123456` (bytes), `25%`, `auto`, `resident`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let t = s.trim().to_ascii_lowercase();
+        if t == "auto" {
+            return Ok(CacheBudget::Auto);
+        }
+        if t == "resident" || t == "all" {
+            return Ok(CacheBudget::Resident);
+        }
+        if let Some(p) = t.strip_suffix('%') {
+            let v: f64 = p
+                .trim()
+                .parse()
+                .map_err(|_| format!("'{s}': not a percentage"))?;
+            if !(0.0..=100.0).contains(&v) {
+                return Err(format!("'{s}': a percentage must be within 0–100"));
+            }
+            return Ok(CacheBudget::Fraction(v / 100.0));
+        }
+        let units = [
+            ("tib", 1u64 << 40),
+            ("gib", 1 << 30),
+            ("mib", 1 << 20),
+            ("kib", 1 << 10),
+            ("tb", 1_000_000_000_000),
+            ("gb", 1_000_000_000),
+            ("mb", 1_000_000),
+            ("kb", 1000),
+            ("b", 1),
+        ];
+        let (num, mul) = units
+            .iter()
+            .find_map(|(u, m)| t.strip_suffix(u).map(|n| (n.trim(), *m)))
+            .unwrap_or((t.as_str(), 1));
+        let v: f64 = num.parse().map_err(|_| {
+            format!("'{s}': expected a size like 8GiB, a percentage like 25%, or auto")
+        })?;
+        if v < 0.0 || !v.is_finite() {
+            return Err(format!("'{s}': size must be positive"));
+        }
+        Ok(CacheBudget::Bytes((v * mul as f64) as u64))
+    }
+}
+
+/// Options of the expert store.
+#[derive(Clone)]
+pub struct StoreOptions {
+    pub budget: CacheBudget,
+    /// Read and update `M.smoe.profile`, and preload from it.
+    pub profile: bool,
+    pub read_threads: usize,
+    /// Test hook to inject read failures.
+    pub fault: Option<FaultHook>,
+}
+
+impl std::fmt::Debug for StoreOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreOptions")
+            .field("budget", &self.budget)
+            .field("profile", &self.profile)
+            .field("read_threads", &self.read_threads)
+            .field("fault", &self.fault.is_some())
+            .finish()
+    }
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        StoreOptions {
+            budget: CacheBudget::Resident,
+            profile: true,
+            read_threads: 8,
+            fault: None,
+        }
+    }
+}
+
+enum Source {
+    Mapped,
+    Streamed(Arc<StreamedStore>),
+}
+
+/// The decoder's view of the routed experts.
+pub struct Experts {
+    mapped: ExpertStore,
+    source: Source,
+    n_experts: usize,
+    /// Uses per (layer, expert) since load, for the profile.
+    usage: Vec<AtomicU64>,
+    profile_path: Option<PathBuf>,
+    header_sum: String,
+    layers: usize,
+}
+
+/// Memory the OS says is available (Linux `MemAvailable`), if known.
+pub fn available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+impl Experts {
+    pub fn open(vault: &Vault, opts: &StoreOptions) -> Result<Self, EngineError> {
+        let cfg = &vault.header.config;
+        let mapped = ExpertStore::new(vault)?;
+        let total = vault
+            .expert_section()
+            .map(|x| x.blob_stride * x.blobs.len() as u64)
+            .unwrap_or(0);
+        let budget = match opts.budget {
+            CacheBudget::Resident => None,
+            CacheBudget::Bytes(b) => Some(b),
+            CacheBudget::Fraction(f) => Some((total as f64 * f) as u64),
+            CacheBudget::Auto => {
+                // Leave room for the scout, activations and the rest of the system.
+                let margin =
+                    (2u64 << 30) + vault.header.tensors.iter().map(|t| t.length).sum::<u64>();
+                Some(
+                    available_memory()
+                        .map_or(4 << 30, |m| m.saturating_sub(margin))
+                        .min(total),
+                )
+            }
+        };
+        let source = match budget {
+            Some(b) if total > 0 => {
+                tracing::info!("expert cache budget {b} bytes of {total}");
+                Source::Streamed(StreamedStore::new(
+                    vault,
+                    mapped.parts().to_vec(),
+                    b,
+                    opts.read_threads,
+                    opts.fault.clone(),
+                )?)
+            }
+            _ => Source::Mapped,
+        };
+        let header_sum = format!(
+            "{:016x}",
+            smoe_vault::format::checksum(&serde_json::to_vec(&*vault.header).unwrap_or_default())
+        );
+        Ok(Experts {
+            mapped,
+            source,
+            n_experts: cfg.num_experts,
+            usage: (0..cfg.num_layers * cfg.num_experts)
+                .map(|_| AtomicU64::new(0))
+                .collect(),
+            profile_path: opts.profile.then(|| Profile::path_for(vault.path())),
+            header_sum,
+            layers: cfg.num_layers,
+        })
+    }
+
+    /// Calls `f(expert, weights)` for each expert of `layer` in `experts` (any order).
+    pub fn for_each(
+        &self,
+        layer: usize,
+        experts: &[usize],
+        f: &mut dyn FnMut(usize, Expert<'_>),
+    ) -> Result<(), EngineError> {
+        for &e in experts {
+            self.usage[layer * self.n_experts + e].fetch_add(1, Ordering::Relaxed);
+        }
+        match &self.source {
+            Source::Mapped => {
+                for &e in experts {
+                    f(e, self.mapped.get(layer, e)?);
+                }
+                Ok(())
+            }
+            Source::Streamed(s) => {
+                let with_blobs: Vec<(usize, usize)> = experts
+                    .iter()
+                    .map(|&e| {
+                        (
+                            e,
+                            self.mapped.blob_index(layer, e).expect("checked at load"),
+                        )
+                    })
+                    .collect();
+                s.for_each(layer, &with_blobs, f)
+            }
+        }
+    }
+
+    /// Marks the end of a forward pass (ages the cache's use counts).
+    pub fn tick(&self) {
+        if let Source::Streamed(s) = &self.source {
+            s.tick();
+        }
+    }
+
+    pub fn stats(&self) -> Option<StoreStats> {
+        match &self.source {
+            Source::Streamed(s) => Some(s.stats()),
+            Source::Mapped => None,
+        }
+    }
+
+    pub fn reset_stats(&self) {
+        if let Source::Streamed(s) = &self.source {
+            s.reset_stats();
+        }
+    }
+
+    pub fn is_streaming(&self) -> bool {
+        matches!(self.source, Source::Streamed(_))
+    }
+
+    fn saved_profile(&self) -> Option<Profile> {
+        Profile::load(
+            self.profile_path.as_ref()?,
+            &self.header_sum,
+            self.layers,
+            self.n_experts,
+        )
+    }
+
+    /// Reads the hottest experts of the saved profile into the cache, pinned, until the budget is
+    /// full. `progress(done, total)` is called after each. Returns how many were loaded.
+    pub fn preload(&self, progress: &mut dyn FnMut(usize, usize)) -> Result<usize, EngineError> {
+        let (Source::Streamed(s), Some(p)) = (&self.source, self.saved_profile()) else {
+            return Ok(0);
+        };
+        let hot = p.hottest();
+        let mut loaded = 0;
+        for (i, &(l, e)) in hot.iter().enumerate() {
+            let Some(blob) = self.mapped.blob_index(l, e) else {
+                continue;
+            };
+            if !s.preload(l, e, blob)? {
+                break;
+            }
+            loaded += 1;
+            progress(i + 1, hot.len());
+        }
+        Ok(loaded)
+    }
+
+    /// Adds this run's usage to `M.smoe.profile` (when profiles are on).
+    pub fn save_profile(&self) -> std::io::Result<()> {
+        let Some(path) = &self.profile_path else {
+            return Ok(());
+        };
+        let counts: Vec<u64> = self
+            .usage
+            .iter()
+            .map(|c| c.swap(0, Ordering::Relaxed))
+            .collect();
+        if counts.iter().all(|&c| c == 0) {
+            return Ok(());
+        }
+        let mut p = self.saved_profile().unwrap_or_else(|| {
+            Profile::empty(self.header_sum.clone(), self.layers, self.n_experts)
+        });
+        p.merge(&counts);
+        p.save(path)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CacheBudget::*;
+    use super::*;
+
+    #[test]
+    fn budgets_parse() {
+        assert_eq!("8GiB".parse::<CacheBudget>().unwrap(), Bytes(8 << 30));
+        assert_eq!(
+            "10GB".parse::<CacheBudget>().unwrap(),
+            Bytes(10_000_000_000)
+        );
+        assert_eq!("1.5 MiB".parse::<CacheBudget>().unwrap(), Bytes(3 << 19));
+        assert_eq!("25%".parse::<CacheBudget>().unwrap(), Fraction(0.25));
+        assert_eq!("auto".parse::<CacheBudget>().unwrap(), Auto);
+        assert_eq!("0".parse::<CacheBudget>().unwrap(), Bytes(0));
+        assert!("lots".parse::<CacheBudget>().is_err());
+        assert!("120%".parse::<CacheBudget>().is_err());
+    }
+}

@@ -1,0 +1,99 @@
+//! Reads expert blobs from the vault without going through the page cache (O_DIRECT on Linux,
+//! F_NOCACHE on macOS), so the bytes are held once — in our cache — not twice.
+
+use super::aligned::AlignedBuf;
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+/// Test hook: return an error to make the read of (layer, expert) fail.
+pub type FaultHook = Arc<dyn Fn(usize, usize) -> Option<io::Error> + Send + Sync>;
+
+pub struct BlobReader {
+    path: PathBuf,
+    direct: Option<File>,
+    buffered: File,
+    /// Cleared after the first EINVAL from a direct read (a filesystem that refuses it).
+    use_direct: AtomicBool,
+    fault: Option<FaultHook>,
+}
+
+impl BlobReader {
+    pub fn open(path: &Path, fault: Option<FaultHook>) -> io::Result<Self> {
+        let buffered = File::open(path)?;
+        let direct = open_direct(path);
+        if direct.is_none() {
+            tracing::info!(
+                "{}: direct I/O unavailable, reading through the page cache",
+                path.display()
+            );
+        }
+        Ok(BlobReader {
+            path: path.to_path_buf(),
+            use_direct: AtomicBool::new(direct.is_some()),
+            direct,
+            buffered,
+            fault,
+        })
+    }
+
+    /// Reads `len` bytes (a multiple of 16 KiB) at `offset` (16 KiB aligned) into `buf`.
+    pub fn read(
+        &self,
+        layer: usize,
+        expert: usize,
+        offset: u64,
+        buf: &mut AlignedBuf,
+    ) -> io::Result<()> {
+        if let Some(err) = self.fault.as_ref().and_then(|f| f(layer, expert)) {
+            return Err(err);
+        }
+        let dst = buf.as_mut_slice();
+        if self.use_direct.load(Ordering::Relaxed) {
+            let f = self.direct.as_ref().expect("direct handle");
+            match f.read_exact_at(dst, offset) {
+                Ok(()) => return Ok(()),
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    tracing::info!(
+                        "{}: direct read refused, falling back to buffered reads",
+                        self.path.display()
+                    );
+                    self.use_direct.store(false, Ordering::Relaxed);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        self.buffered.read_exact_at(dst, offset)
+    }
+
+    pub fn is_direct(&self) -> bool {
+        self.use_direct.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn open_direct(path: &Path) -> Option<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+        .ok()
+}
+
+#[cfg(target_os = "macos")]
+fn open_direct(path: &Path) -> Option<File> {
+    use std::os::fd::AsRawFd;
+    let f = File::open(path).ok()?;
+    // SAFETY: fcntl on a valid descriptor we own.
+    let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_NOCACHE, 1) };
+    (r != -1).then_some(f)
+}
+
+#[cfg(not(any(target_os = "linux", target_os = "macos")))]
+fn open_direct(_: &Path) -> Option<File> {
+    None
+}

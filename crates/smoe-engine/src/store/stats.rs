@@ -1,0 +1,77 @@
+//! What the expert store did: hits, misses, bytes, and where the time went.
+
+use serde::Serialize;
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct LayerStats {
+    pub hits: u64,
+    pub misses: u64,
+    pub bytes_read: u64,
+    /// Summed time of the reads themselves (they overlap each other and compute).
+    pub read_seconds: f64,
+    /// Time the compute thread waited for a read to finish.
+    pub io_wait_seconds: f64,
+    /// Time spent computing this layer's experts.
+    pub compute_seconds: f64,
+}
+
+impl LayerStats {
+    fn add(&mut self, o: &LayerStats) {
+        self.hits += o.hits;
+        self.misses += o.misses;
+        self.bytes_read += o.bytes_read;
+        self.read_seconds += o.read_seconds;
+        self.io_wait_seconds += o.io_wait_seconds;
+        self.compute_seconds += o.compute_seconds;
+    }
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct StoreStats {
+    pub total: LayerStats,
+    pub hit_rate: f64,
+    /// Bytes read ÷ time the reader threads were busy (aggregate throughput of the device).
+    pub read_gb_per_s: f64,
+    pub cache_bytes: u64,
+    pub cache_budget: u64,
+    pub direct_io: bool,
+    pub per_layer: Vec<LayerStats>,
+}
+
+impl StoreStats {
+    pub fn new(layers: usize) -> Self {
+        StoreStats {
+            per_layer: vec![LayerStats::default(); layers],
+            ..Default::default()
+        }
+    }
+
+    /// Recomputes the totals and ratios from the per-layer numbers.
+    pub fn finish(&mut self, wall_read_seconds: f64) {
+        let mut t = LayerStats::default();
+        for l in &self.per_layer {
+            t.add(l);
+        }
+        let uses = t.hits + t.misses;
+        self.hit_rate = if uses > 0 {
+            t.hits as f64 / uses as f64
+        } else {
+            0.0
+        };
+        self.read_gb_per_s = if wall_read_seconds > 0.0 {
+            t.bytes_read as f64 / wall_read_seconds / 1e9
+        } else {
+            0.0
+        };
+        self.total = t;
+    }
+
+    pub fn reset(&mut self) {
+        let n = self.per_layer.len();
+        *self = StoreStats {
+            cache_budget: self.cache_budget,
+            direct_io: self.direct_io,
+            ..StoreStats::new(n)
+        };
+    }
+}

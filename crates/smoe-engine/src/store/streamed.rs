@@ -1,0 +1,244 @@
+//! The streaming expert store: blobs are read from the vault on demand by a pool of reader
+//! threads (one read per blob, in parallel), verified, kept in a bounded cache, and handed to
+//! compute as they arrive — resident experts first, misses as their reads complete.
+
+use super::aligned::AlignedBuf;
+use super::cache::ExpertCache;
+use super::reader::{BlobReader, FaultHook};
+use super::stats::StoreStats;
+use super::Expert;
+use crate::error::EngineError;
+use smoe_vault::format::ExpertPart;
+use smoe_vault::Vault;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+struct Job {
+    key: usize,
+    layer: usize,
+    expert: usize,
+    blob: usize,
+    reply: Sender<(usize, Result<AlignedBuf, EngineError>, f64)>,
+}
+
+pub struct StreamedStore {
+    vault: Vault,
+    parts: Vec<ExpertPart>,
+    pub(super) n_experts: usize,
+    stride: usize,
+    pub(super) cache: Mutex<ExpertCache>,
+    pub(super) stats: Mutex<StoreStats>,
+    jobs: Mutex<Sender<Job>>,
+    reader: Arc<BlobReader>,
+    /// Wall time during which at least one read was in flight, for read GB/s.
+    busy: Mutex<(f64, usize, Option<Instant>)>,
+}
+
+impl StreamedStore {
+    pub fn new(
+        vault: &Vault,
+        parts: Vec<ExpertPart>,
+        budget: u64,
+        threads: usize,
+        fault: Option<FaultHook>,
+    ) -> Result<Arc<Self>, EngineError> {
+        let cfg = &vault.header.config;
+        let x = vault
+            .expert_section()
+            .ok_or_else(|| EngineError::Invalid("vault has no experts".into()))?;
+        let reader = BlobReader::open(vault.path(), fault)
+            .map_err(|e| EngineError::Invalid(format!("{}: {e}", vault.path().display())))?;
+        let (tx, rx) = channel::<Job>();
+        let mut stats = StoreStats::new(cfg.num_layers);
+        stats.cache_budget = budget;
+        stats.direct_io = reader.is_direct();
+        let store = Arc::new(StreamedStore {
+            vault: vault.clone(),
+            parts,
+            n_experts: cfg.num_experts,
+            stride: x.blob_stride as usize,
+            cache: Mutex::new(ExpertCache::new(budget, cfg.num_layers * cfg.num_experts)),
+            stats: Mutex::new(stats),
+            jobs: Mutex::new(tx),
+            reader: Arc::new(reader),
+            busy: Mutex::new((0.0, 0, None)),
+        });
+        let rx = Arc::new(Mutex::new(rx));
+        for i in 0..threads.max(1) {
+            let (rx, weak) = (rx.clone(), Arc::downgrade(&store));
+            std::thread::Builder::new()
+                .name(format!("smoe-read-{i}"))
+                .spawn(move || worker(rx, weak))
+                .map_err(|e| EngineError::Invalid(format!("cannot start reader threads: {e}")))?;
+        }
+        Ok(store)
+    }
+
+    /// Reads, verifies and returns one blob (used by workers and by preloading).
+    fn read_blob(
+        &self,
+        layer: usize,
+        expert: usize,
+        blob: usize,
+    ) -> Result<AlignedBuf, EngineError> {
+        let entry = &self.vault.expert_section().unwrap().blobs[blob];
+        let fail = |what: String| EngineError::ExpertRead {
+            layer,
+            expert,
+            reason: what,
+        };
+        let mut buf = AlignedBuf::new(self.stride)
+            .ok_or_else(|| fail("out of memory for the read buffer".into()))?;
+        self.reader
+            .read(layer, expert, entry.offset, &mut buf)
+            .map_err(|e| fail(e.to_string()))?;
+        let used = self.vault.expert_section().unwrap().used_bytes as usize;
+        self.vault
+            .verify_expert(entry, &buf.as_slice()[..used])
+            .map_err(|e| fail(e.to_string()))?;
+        Ok(buf)
+    }
+
+    fn expert<'a>(&self, buf: &'a AlignedBuf) -> Expert<'a> {
+        Expert::from_blob(&self.parts, buf.as_slice())
+    }
+
+    /// Loads `(layer, expert, blob)` into the cache ahead of use (profile preload), pinned.
+    pub fn preload(&self, layer: usize, expert: usize, blob: usize) -> Result<bool, EngineError> {
+        let key = layer * self.n_experts + expert;
+        if self.cache.lock().unwrap().contains(key) {
+            return Ok(true);
+        }
+        let buf = Arc::new(self.read_blob(layer, expert, blob)?);
+        Ok(self.cache.lock().unwrap().insert(key, buf, true))
+    }
+
+    /// Runs `f` on each of `experts` (with their blob indices) of `layer`: cache hits first,
+    /// then misses in the order their reads finish. The first failed read is returned after the
+    /// others have drained; nothing from a failed read is cached.
+    pub fn for_each(
+        &self,
+        layer: usize,
+        experts: &[(usize, usize)],
+        f: &mut dyn FnMut(usize, Expert<'_>),
+    ) -> Result<(), EngineError> {
+        let mut hits = vec![];
+        let mut misses = vec![];
+        {
+            let mut cache = self.cache.lock().unwrap();
+            for &(e, blob) in experts {
+                match cache.touch(layer * self.n_experts + e) {
+                    Some(buf) => hits.push((e, buf)),
+                    None => misses.push((e, blob)),
+                }
+            }
+        }
+        let (tx, rx) = channel();
+        {
+            let jobs = self.jobs.lock().unwrap();
+            for &(e, blob) in &misses {
+                let key = layer * self.n_experts + e;
+                let job = Job {
+                    key,
+                    layer,
+                    expert: e,
+                    blob,
+                    reply: tx.clone(),
+                };
+                jobs.send(job)
+                    .map_err(|_| EngineError::Invalid("reader threads stopped".into()))?;
+            }
+        }
+        drop(tx);
+        let mut compute = 0.0;
+        for (e, buf) in &hits {
+            let t = Instant::now();
+            f(*e, self.expert(buf));
+            compute += t.elapsed().as_secs_f64();
+        }
+        let (mut wait, mut read, mut first_err) = (0.0, 0.0, None);
+        for _ in 0..misses.len() {
+            let t = Instant::now();
+            let Ok((key, result, secs)) = rx.recv() else {
+                break;
+            };
+            wait += t.elapsed().as_secs_f64();
+            read += secs;
+            match result {
+                Ok(buf) => {
+                    let buf = Arc::new(buf);
+                    let t = Instant::now();
+                    f(key % self.n_experts, self.expert(&buf));
+                    compute += t.elapsed().as_secs_f64();
+                    self.cache.lock().unwrap().insert(key, buf, false);
+                }
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        let mut st = self.stats.lock().unwrap();
+        let ls = &mut st.per_layer[layer];
+        ls.hits += hits.len() as u64;
+        ls.misses += misses.len() as u64;
+        ls.bytes_read += (misses.len() * self.stride) as u64;
+        ls.read_seconds += read;
+        ls.io_wait_seconds += wait;
+        ls.compute_seconds += compute;
+        first_err.map_or(Ok(()), Err)
+    }
+
+    pub fn tick(&self) {
+        self.cache.lock().unwrap().tick();
+    }
+
+    /// Stats so far, with totals and the cache's current size.
+    pub fn stats(&self) -> StoreStats {
+        let mut st = self.stats.lock().unwrap().clone();
+        let busy = self.busy.lock().unwrap().0;
+        st.cache_bytes = self.cache.lock().unwrap().used();
+        st.direct_io = self.reader.is_direct();
+        st.finish(busy);
+        st
+    }
+
+    pub fn reset_stats(&self) {
+        self.stats.lock().unwrap().reset();
+        self.busy.lock().unwrap().0 = 0.0;
+    }
+
+    fn busy(&self, start: bool) {
+        let mut b = self.busy.lock().unwrap();
+        if start {
+            if b.1 == 0 {
+                b.2 = Some(Instant::now());
+            }
+            b.1 += 1;
+        } else {
+            b.1 -= 1;
+            if b.1 == 0 {
+                if let Some(t) = b.2.take() {
+                    b.0 += t.elapsed().as_secs_f64();
+                }
+            }
+        }
+    }
+}
+
+/// A reader thread: takes jobs until the store is dropped.
+fn worker(rx: Arc<Mutex<Receiver<Job>>>, store: std::sync::Weak<StreamedStore>) {
+    loop {
+        let job = match rx.lock().unwrap().recv() {
+            Ok(j) => j,
+            Err(_) => return,
+        };
+        let Some(store) = store.upgrade() else { return };
+        store.busy(true);
+        let t = Instant::now();
+        let result = store.read_blob(job.layer, job.expert, job.blob);
+        let secs = t.elapsed().as_secs_f64();
+        store.busy(false);
+        let _ = job.reply.send((job.key, result, secs));
+    }
+}

@@ -1,0 +1,190 @@
+//! The streaming expert store: tokens never depend on the cache size, stats add up, faults fail
+//! the request (naming layer and expert) without poisoning the cache, profiles round-trip.
+
+use smoe_engine::engine::{EngineOptions, GenerateOptions};
+use smoe_engine::sampler::SamplerConfig;
+use smoe_engine::store::{CacheBudget, StoreOptions};
+use smoe_engine::Engine;
+use smoe_vault::import::{convert_to_path, ConvertOptions};
+use smoe_vault::DType;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+fn vault(name: &str, tag: &str) -> PathBuf {
+    let ck = smoe_fixtures::checkpoint(name).unwrap();
+    let dir = std::env::temp_dir().join(format!("smoe-store-{}-{tag}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join(format!("{name}.smoe"));
+    convert_to_path(
+        &ck,
+        &out,
+        ConvertOptions {
+            experts: DType::Q4,
+            scout: DType::Bf16,
+        },
+        &mut |_: u64, _: &str| {},
+    )
+    .unwrap();
+    out
+}
+
+fn open(path: &Path, budget: CacheBudget, profile: bool) -> Engine {
+    let store = StoreOptions {
+        budget,
+        profile,
+        read_threads: 4,
+        fault: None,
+    };
+    Engine::open(
+        path,
+        EngineOptions {
+            store,
+            ..Default::default()
+        },
+    )
+    .unwrap()
+}
+
+fn greedy(e: &Engine, prompt: &[u32], n: usize) -> Vec<u32> {
+    let opts = GenerateOptions {
+        max_tokens: n,
+        sampler: SamplerConfig::greedy(),
+        stop_ids: vec![],
+        stop_strings: vec![],
+    };
+    e.session(prompt.len() + n)
+        .generate(prompt, &opts, &mut |_| {})
+        .unwrap()
+        .tokens
+}
+
+#[test]
+fn tokens_do_not_depend_on_the_cache() {
+    for name in ["tiny-dense-mix", "tiny-qwen2moe", "tiny-yarn"] {
+        let path = vault(name, "invariant");
+        let prompt: Vec<u32> = (3..50).collect();
+        let resident = open(&path, CacheBudget::Resident, false);
+        let want_tokens = greedy(&resident, &prompt, 24);
+        let want_lp = resident.logprobs(&prompt).unwrap().logprobs;
+        for budget in [
+            CacheBudget::Bytes(0),
+            CacheBudget::Fraction(0.25),
+            CacheBudget::Fraction(1.0),
+        ] {
+            let e = open(&path, budget, false);
+            assert!(e.model.experts().is_streaming());
+            assert_eq!(greedy(&e, &prompt, 24), want_tokens, "{name} {budget:?}");
+            // Expert outputs are summed in a fixed order: identical, not merely close.
+            assert_eq!(
+                e.logprobs(&prompt).unwrap().logprobs,
+                want_lp,
+                "{name} {budget:?}"
+            );
+            let st = e.model.experts().stats().unwrap();
+            assert!(st.total.misses > 0);
+            match budget {
+                CacheBudget::Bytes(0) => {
+                    assert_eq!(st.total.hits, 0, "{name}: a zero budget keeps nothing");
+                    assert_eq!(st.cache_bytes, 0);
+                }
+                CacheBudget::Fraction(f) if f == 1.0 => {
+                    let c = e.model.config();
+                    let experts = c.moe_layers().count() * c.num_experts;
+                    assert!(
+                        st.total.misses as usize <= experts,
+                        "{name}: each expert is read at most once"
+                    );
+                    assert!(st.hit_rate > 0.5);
+                }
+                _ => assert!(st.cache_bytes <= st.cache_budget),
+            }
+            let stride = e.vault.expert_section().unwrap().blob_stride;
+            assert_eq!(st.total.bytes_read, st.total.misses * stride);
+        }
+    }
+}
+
+#[test]
+fn a_failed_read_fails_the_request_names_the_expert_and_is_not_cached() {
+    let path = vault("tiny-tied", "fault");
+    let failing = Arc::new(AtomicBool::new(true));
+    let flag = failing.clone();
+    let fault: smoe_engine::store::FaultHook = Arc::new(move |layer, _expert| {
+        (layer == 1 && flag.load(Ordering::SeqCst))
+            .then(|| std::io::Error::other("injected I/O error"))
+    });
+    let store = StoreOptions {
+        budget: CacheBudget::Fraction(1.0),
+        profile: false,
+        read_threads: 2,
+        fault: Some(fault),
+    };
+    let e = Engine::open(
+        &path,
+        EngineOptions {
+            store,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let prompt: Vec<u32> = (10..30).collect();
+    let err = e.logprobs(&prompt).unwrap_err().to_string();
+    assert!(
+        err.contains("of layer 1") && err.contains("injected I/O error"),
+        "{err}"
+    );
+    // The same engine keeps serving once the device recovers, and gives the right answer.
+    failing.store(false, Ordering::SeqCst);
+    let got = e.logprobs(&prompt).unwrap().logprobs;
+    let want = open(&path, CacheBudget::Resident, false)
+        .logprobs(&prompt)
+        .unwrap()
+        .logprobs;
+    assert_eq!(got, want);
+}
+
+#[test]
+fn a_corrupt_blob_is_reported_with_layer_and_expert() {
+    let path = vault("tiny-tied", "corrupt");
+    let v = smoe_vault::Vault::open(&path).unwrap();
+    let blob = v.expert_entry(2, 5).unwrap().offset as usize;
+    drop(v);
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[blob + 7] ^= 0x55;
+    std::fs::write(&path, &bytes).unwrap();
+    for budget in [CacheBudget::Bytes(0), CacheBudget::Resident] {
+        let e = open(&path, budget, false);
+        // Enough tokens that every expert of layer 2 is used.
+        let prompt: Vec<u32> = (0..400).map(|i| (i * 37 % 1000) as u32).collect();
+        let err = e.logprobs(&prompt).unwrap_err().to_string();
+        assert!(
+            err.contains("layer 2 expert 5") && err.contains("checksum"),
+            "{budget:?}: {err}"
+        );
+    }
+}
+
+#[test]
+fn the_profile_is_saved_and_preloads_the_next_start() {
+    let path = vault("tiny-dense-mix", "profile");
+    let prompt: Vec<u32> = (5..60).collect();
+    {
+        let e = open(&path, CacheBudget::Fraction(0.5), true);
+        e.logprobs(&prompt).unwrap();
+        e.model.experts().save_profile().unwrap();
+    }
+    let profile = smoe_engine::store::profile::Profile::path_for(&path);
+    assert!(profile.exists());
+    let e = open(&path, CacheBudget::Fraction(0.5), true);
+    let mut calls = 0;
+    let loaded = e.model.experts().preload(&mut |_, _| calls += 1).unwrap();
+    assert!(loaded > 0 && calls == loaded);
+    e.model.experts().reset_stats();
+    e.logprobs(&prompt).unwrap();
+    let st = e.model.experts().stats().unwrap();
+    assert!(st.total.hits > 0, "preloaded experts are hits");
+    // Without profiles nothing is preloaded.
+    let e = open(&path, CacheBudget::Fraction(0.5), false);
+    assert_eq!(e.model.experts().preload(&mut |_, _| {}).unwrap(), 0);
+}
