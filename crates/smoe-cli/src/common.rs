@@ -59,12 +59,20 @@ pub fn model_path(arg: Option<&Path>) -> Result<PathBuf> {
 }
 
 pub fn open_engine(path: &Path, backend: Backend) -> Result<Engine> {
+    open_engine_with(path, backend, &crate::store_args::StoreArgs::default())
+}
+
+/// Opens a model with the expert-store flags; preloads the profile's hottest experts (with a
+/// progress bar) when streaming.
+pub fn open_engine_with(path: &Path, backend: Backend, store: &crate::store_args::StoreArgs) -> Result<Engine> {
     check_backend(backend)?;
     if !path.exists() {
         bail!("{}: no such file", path.display());
     }
-    Engine::open(path, EngineOptions::default())
-        .with_context(|| format!("cannot load {}", path.display()))
+    let opts = EngineOptions { store: store.options(path)?, ..EngineOptions::default() };
+    let engine = Engine::open(path, opts).with_context(|| format!("cannot load {}", path.display()))?;
+    store.preload(&engine)?;
+    Ok(engine)
 }
 
 /// Parses `1,2,3` (spaces allowed).

@@ -2,6 +2,7 @@
 
 mod cmd;
 mod common;
+mod store_args;
 
 use clap::{Parser, Subcommand};
 

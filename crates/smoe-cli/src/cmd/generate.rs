@@ -1,6 +1,6 @@
 //! `smoe generate`: continue a prompt.
 
-use crate::common::{model_path, open_engine, parse_ids, Backend};
+use crate::common::{model_path, open_engine_with, parse_ids, Backend};
 use anyhow::{bail, Result};
 use smoe_engine::chat::{ChatMessage, ChatTemplate, CHATML_TEMPLATE};
 use smoe_engine::GenerateOptions;
@@ -56,10 +56,12 @@ pub struct Args {
     /// Print one JSON object with "tokens" (and "text" when the model has a tokenizer).
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    store: crate::store_args::StoreArgs,
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let engine = open_engine(&model_path(a.model.as_deref())?, a.backend)?;
+    let engine = open_engine_with(&model_path(a.model.as_deref())?, a.backend, &a.store)?;
     let prompt: Vec<u32> = match (&a.prompt_ids, &a.prompt) {
         (Some(ids), _) => parse_ids(ids)?,
         (None, Some(text)) => {
@@ -138,6 +140,10 @@ pub fn run(a: Args) -> Result<()> {
             let _ = stdout.flush();
         }
     })?;
+    if stream {
+        println!();
+    }
+    let store_stats = a.store.finish(&engine);
     if a.json {
         let mut v = serde_json::json!({
             "tokens": g.tokens,
@@ -151,11 +157,12 @@ pub fn run(a: Args) -> Result<()> {
         if let Some(t) = &g.text {
             v["text"] = serde_json::Value::String(t.clone());
         }
+        if let (true, Some(st)) = (a.store.stats, &store_stats) {
+            v["expert_stats"] = serde_json::to_value(st)?;
+        }
         println!("{v}");
     } else {
-        if stream {
-            println!();
-        } else {
+        if !stream {
             println!(
                 "{}",
                 g.tokens

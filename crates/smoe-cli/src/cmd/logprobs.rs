@@ -1,6 +1,6 @@
 //! `smoe logprobs`: teacher-forced scoring of a token sequence.
 
-use crate::common::{model_path, open_engine, parse_ids, Backend};
+use crate::common::{model_path, open_engine_with, parse_ids, Backend};
 use anyhow::Result;
 use std::path::PathBuf;
 
@@ -17,12 +17,15 @@ pub struct Args {
     /// Print one JSON object {"logprobs", "argmax", "nll"}.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    store: crate::store_args::StoreArgs,
 }
 
 pub fn run(a: Args) -> Result<()> {
     let ids = parse_ids(&a.prompt_ids)?;
-    let engine = open_engine(&model_path(a.model.as_deref())?, a.backend)?;
+    let engine = open_engine_with(&model_path(a.model.as_deref())?, a.backend, &a.store)?;
     let r = engine.logprobs(&ids)?;
+    a.store.finish(&engine);
     if a.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {

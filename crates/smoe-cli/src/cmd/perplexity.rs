@@ -1,6 +1,6 @@
 //! `smoe perplexity`: exp(mean NLL) of a text file, in non-overlapping windows.
 
-use crate::common::{model_path, open_engine, Backend};
+use crate::common::{model_path, open_engine_with, Backend};
 use anyhow::{bail, Context, Result};
 use std::path::PathBuf;
 
@@ -20,6 +20,8 @@ pub struct Args {
     /// Print {"perplexity", "nll", "tokens", "windows"} as JSON.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    store: crate::store_args::StoreArgs,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -30,7 +32,7 @@ pub fn run(a: Args) -> Result<()> {
         std::fs::read(&a.file).with_context(|| format!("cannot read {}", a.file.display()))?;
     let text = String::from_utf8(bytes)
         .map_err(|_| anyhow::anyhow!("{}: not UTF-8 text", a.file.display()))?;
-    let engine = open_engine(&model_path(a.model.as_deref())?, a.backend)?;
+    let engine = open_engine_with(&model_path(a.model.as_deref())?, a.backend, &a.store)?;
     let ids = engine.tokenizer()?.encode(&text, false)?;
     if ids.len() < 2 {
         bail!("{}: fewer than 2 tokens", a.file.display());
@@ -51,6 +53,7 @@ pub fn run(a: Args) -> Result<()> {
         pb.inc(w.len() as u64);
     }
     pb.finish_and_clear();
+    a.store.finish(&engine);
     let nll = sum / n as f64;
     if a.json {
         println!(

@@ -1,0 +1,104 @@
+//! The expert-store flags shared by commands that run a model.
+
+use anyhow::{Context, Result};
+use smoe_engine::store::{available_memory, CacheBudget, StoreOptions, StoreStats};
+use smoe_engine::Engine;
+use std::path::Path;
+
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct StoreArgs {
+    /// Memory for routed experts: a size (8GiB, 512MiB), a share of the experts (25%), `auto`
+    /// (available memory minus a margin) or `resident` (memory-map all). Default: resident when
+    /// the experts fit comfortably in memory, else auto.
+    #[arg(long, value_name = "SIZE|PCT%|auto")]
+    pub expert_cache: Option<String>,
+    /// Do not read or update the expert usage profile (M.smoe.profile).
+    #[arg(long)]
+    pub no_profile: bool,
+    /// Print expert-store statistics (hits, misses, bytes read, waits) after the run.
+    #[arg(long)]
+    pub stats: bool,
+}
+
+impl StoreArgs {
+    pub fn options(&self, vault: &Path) -> Result<StoreOptions> {
+        let budget = match &self.expert_cache {
+            Some(s) => s.parse::<CacheBudget>().map_err(anyhow::Error::msg).context("--expert-cache")?,
+            None => default_budget(vault),
+        };
+        Ok(StoreOptions { budget, profile: !self.no_profile, ..StoreOptions::default() })
+    }
+
+    pub fn preload(&self, engine: &Engine) -> Result<()> {
+        let experts = engine.model.experts();
+        if !experts.is_streaming() || self.no_profile {
+            return Ok(());
+        }
+        let pb = indicatif::ProgressBar::new(0);
+        pb.set_style(indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} experts").unwrap());
+        pb.set_message("preloading");
+        let n = experts.preload(&mut |done, total| {
+            pb.set_length(total as u64);
+            pb.set_position(done as u64);
+        })?;
+        pb.finish_and_clear();
+        if n > 0 {
+            tracing::info!("preloaded {n} experts from the usage profile");
+        }
+        Ok(())
+    }
+
+    /// Saves the profile and returns the stats (printing them to stderr when asked).
+    pub fn finish(&self, engine: &Engine) -> Option<StoreStats> {
+        let experts = engine.model.experts();
+        if let Err(e) = experts.save_profile() {
+            tracing::warn!("cannot save the expert profile: {e}");
+        }
+        let st = experts.stats();
+        if self.stats {
+            match &st {
+                Some(st) => print_stats(st),
+                None => eprintln!("[experts resident (memory-mapped): no cache statistics]"),
+            }
+        }
+        st
+    }
+}
+
+/// Resident when the experts take under 60 % of available memory; otherwise stream.
+fn default_budget(vault: &Path) -> CacheBudget {
+    let size = std::fs::metadata(vault).map(|m| m.len()).unwrap_or(0);
+    match available_memory() {
+        Some(avail) if size as f64 > 0.6 * avail as f64 => {
+            tracing::info!("model ({size} bytes) is large for available memory ({avail}): streaming experts");
+            CacheBudget::Auto
+        }
+        _ => CacheBudget::Resident,
+    }
+}
+
+pub fn print_stats(st: &StoreStats) {
+    let t = &st.total;
+    eprintln!(
+        "[experts: {} hits, {} misses (hit rate {:.1}%), {:.1} MiB read at {:.2} GB/s{}; io wait {:.3}s, compute {:.3}s; cache {:.1}/{:.1} MiB]",
+        t.hits,
+        t.misses,
+        100.0 * st.hit_rate,
+        t.bytes_read as f64 / (1 << 20) as f64,
+        st.read_gb_per_s,
+        if st.direct_io { " direct" } else { " buffered" },
+        t.io_wait_seconds,
+        t.compute_seconds,
+        st.cache_bytes as f64 / (1 << 20) as f64,
+        st.cache_budget as f64 / (1 << 20) as f64,
+    );
+    for (l, s) in st.per_layer.iter().enumerate().filter(|(_, s)| s.hits + s.misses > 0) {
+        eprintln!(
+            "  layer {l:>3}: {:>6} hits {:>6} misses {:>8.1} MiB read, io wait {:.3}s",
+            s.hits,
+            s.misses,
+            s.bytes_read as f64 / (1 << 20) as f64,
+            s.io_wait_seconds
+        );
+    }
+}
