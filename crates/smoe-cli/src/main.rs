@@ -35,6 +35,17 @@ enum Command {
     Perplexity(cmd::perplexity::Args),
     /// Show a vault's configuration, tensors, quantization and checksums.
     Inspect(cmd::inspect::Args),
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(cmd::serve::Args),
+    /// Chat with the model in the terminal.
+    Chat(cmd::chat::Args),
+    /// Write a full-size vault with random weights and a real model's shapes (for benchmarks).
+    Synth(cmd::synth::Args),
+    /// Benchmarks: decode/prefill against the I/O and bandwidth bounds, GPU kernel GB/s.
+    #[command(subcommand)]
+    Bench(cmd::bench::Bench),
+    /// Render a vault's expert-usage profile as a heatmap PNG with a text summary.
+    Profile(cmd::profile::Args),
 }
 
 fn main() {
@@ -69,6 +80,11 @@ fn main() {
         Command::Logprobs(a) => cmd::logprobs::run(a),
         Command::Perplexity(a) => cmd::perplexity::run(a),
         Command::Inspect(a) => cmd::inspect::run(a),
+        Command::Synth(a) => cmd::synth::run(a),
+        Command::Bench(b) => cmd::bench::run(b),
+        Command::Profile(a) => cmd::profile::run(a),
+        Command::Serve(a) => cmd::serve::run(a),
+        Command::Chat(a) => cmd::chat::run(a),
     };
     if let Err(e) = result {
         // One line: the error and its causes, joined.

@@ -23,10 +23,17 @@ pub struct StoreArgs {
 impl StoreArgs {
     pub fn options(&self, vault: &Path) -> Result<StoreOptions> {
         let budget = match &self.expert_cache {
-            Some(s) => s.parse::<CacheBudget>().map_err(anyhow::Error::msg).context("--expert-cache")?,
+            Some(s) => s
+                .parse::<CacheBudget>()
+                .map_err(anyhow::Error::msg)
+                .context("--expert-cache")?,
             None => default_budget(vault),
         };
-        Ok(StoreOptions { budget, profile: !self.no_profile, ..StoreOptions::default() })
+        Ok(StoreOptions {
+            budget,
+            profile: !self.no_profile,
+            ..StoreOptions::default()
+        })
     }
 
     pub fn preload(&self, engine: &Engine) -> Result<()> {
@@ -35,7 +42,10 @@ impl StoreArgs {
             return Ok(());
         }
         let pb = indicatif::ProgressBar::new(0);
-        pb.set_style(indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} experts").unwrap());
+        pb.set_style(
+            indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} experts")
+                .unwrap(),
+        );
         pb.set_message("preloading");
         let n = experts.preload(&mut |done, total| {
             pb.set_length(total as u64);
@@ -70,7 +80,9 @@ fn default_budget(vault: &Path) -> CacheBudget {
     let size = std::fs::metadata(vault).map(|m| m.len()).unwrap_or(0);
     match available_memory() {
         Some(avail) if size as f64 > 0.6 * avail as f64 => {
-            tracing::info!("model ({size} bytes) is large for available memory ({avail}): streaming experts");
+            tracing::info!(
+                "model ({size} bytes) is large for available memory ({avail}): streaming experts"
+            );
             CacheBudget::Auto
         }
         _ => CacheBudget::Resident,
@@ -92,7 +104,12 @@ pub fn print_stats(st: &StoreStats) {
         st.cache_bytes as f64 / (1 << 20) as f64,
         st.cache_budget as f64 / (1 << 20) as f64,
     );
-    for (l, s) in st.per_layer.iter().enumerate().filter(|(_, s)| s.hits + s.misses > 0) {
+    for (l, s) in st
+        .per_layer
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.hits + s.misses > 0)
+    {
         eprintln!(
             "  layer {l:>3}: {:>6} hits {:>6} misses {:>8.1} MiB read, io wait {:.3}s",
             s.hits,

@@ -10,6 +10,7 @@ pub mod format;
 pub mod import;
 pub mod quant;
 pub mod reader;
+pub mod synth;
 pub mod writer;
 
 pub use config::{Architecture, FfnKind, GenerationDefaults, ModelConfig};

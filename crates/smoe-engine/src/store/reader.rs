@@ -74,8 +74,9 @@ impl BlobReader {
     }
 }
 
+/// Opens `path` for reads that bypass the page cache, if the platform and filesystem allow.
 #[cfg(target_os = "linux")]
-fn open_direct(path: &Path) -> Option<File> {
+pub fn open_direct(path: &Path) -> Option<File> {
     use std::os::unix::fs::OpenOptionsExt;
     std::fs::OpenOptions::new()
         .read(true)
@@ -84,8 +85,9 @@ fn open_direct(path: &Path) -> Option<File> {
         .ok()
 }
 
+/// Opens `path` for reads that bypass the page cache, if the platform and filesystem allow.
 #[cfg(target_os = "macos")]
-fn open_direct(path: &Path) -> Option<File> {
+pub fn open_direct(path: &Path) -> Option<File> {
     use std::os::fd::AsRawFd;
     let f = File::open(path).ok()?;
     // SAFETY: fcntl on a valid descriptor we own.
@@ -94,6 +96,6 @@ fn open_direct(path: &Path) -> Option<File> {
 }
 
 #[cfg(not(any(target_os = "linux", target_os = "macos")))]
-fn open_direct(_: &Path) -> Option<File> {
+pub fn open_direct(_: &Path) -> Option<File> {
     None
 }

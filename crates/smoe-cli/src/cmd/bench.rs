@@ -1,0 +1,270 @@
+//! `smoe bench`: decode/prefill speed against the I/O and bandwidth bounds, and GPU kernel GB/s.
+
+use crate::common::{model_path, open_engine_with, Backend};
+use crate::store_args::StoreArgs;
+use anyhow::{bail, Result};
+use smoe_engine::engine::GenerateOptions;
+use smoe_engine::sampler::SamplerConfig;
+use smoe_engine::{Engine, Logits};
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(clap::Subcommand)]
+pub enum Bench {
+    /// Prefill and decode tok/s, expert-cache hit rate, read GB/s, and the I/O and bandwidth
+    /// bounds, all measured in this run.
+    Decode(DecodeArgs),
+    /// GB/s of each GPU matvec kernel at Qwen3-MoE shapes beside a copy kernel's GB/s.
+    Kernels(KernelArgs),
+}
+
+#[derive(clap::Args)]
+pub struct DecodeArgs {
+    /// The model vault (default: the built-in demo model).
+    #[arg(short, long, value_name = "M.smoe")]
+    model: Option<PathBuf>,
+    /// Tokens to decode from an empty context, like llama-bench's tg.
+    #[arg(short = 'n', long = "tg", default_value_t = 128)]
+    tg: usize,
+    /// Prompt tokens to prefill, like llama-bench's pp (0 = skip).
+    #[arg(long = "pp", default_value_t = 512)]
+    pp: usize,
+    /// Timed repetitions of each (after one warm-up); median and spread are reported.
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    #[arg(long, value_enum, default_value = "auto")]
+    backend: Backend,
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    store: StoreArgs,
+}
+
+#[derive(clap::Args)]
+pub struct KernelArgs {
+    /// Small shapes (for software drivers such as lavapipe).
+    #[arg(long)]
+    quick: bool,
+    /// Calls per timing.
+    #[arg(long, default_value_t = 100)]
+    iters: usize,
+}
+
+pub fn run(b: Bench) -> Result<()> {
+    match b {
+        Bench::Decode(a) => decode(a),
+        Bench::Kernels(a) => kernels(a),
+    }
+}
+
+fn kernels(a: KernelArgs) -> Result<()> {
+    use smoe_compute::gpu::bench::{bench_kernels, qwen3_shapes, BenchShape};
+    use smoe_compute::gpu::{GpuContext, MatVecTuning};
+    use smoe_vault::DType;
+    let ctx = GpuContext::new().map_err(|e| anyhow::anyhow!("bench kernels needs a GPU: {e}"))?;
+    println!("{}\n", ctx.info());
+    let shapes = if a.quick {
+        vec![
+            BenchShape::dense("small", 512, 1024),
+            BenchShape::experts("experts x8", 256, 1024, 8, 16),
+        ]
+    } else {
+        qwen3_shapes()
+    };
+    for shape in &shapes {
+        let dtypes = [DType::Bf16, DType::Q8, DType::Q4, DType::Q2];
+        let report = bench_kernels(
+            &ctx,
+            std::slice::from_ref(shape),
+            &dtypes,
+            &[MatVecTuning::default()],
+            a.iters,
+        )?;
+        println!("{report}");
+    }
+    Ok(())
+}
+
+fn median_spread(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(|a, b| a.total_cmp(b));
+    (v[v.len() / 2], v[0], v[v.len() - 1])
+}
+
+/// Direct-read bandwidth of the vault's disk: parallel 16 KiB-aligned reads of expert blobs,
+/// as the store does them (8 threads, one blob per read).
+fn disk_gbps(engine: &Engine) -> Option<f64> {
+    use std::os::unix::fs::FileExt;
+    let x = engine.vault.expert_section()?;
+    let stride = x.blob_stride as usize;
+    let n = x.blobs.len().min((1usize << 30) / stride.max(1)).max(1);
+    let path = engine.vault.path().to_path_buf();
+    let start = Instant::now();
+    let threads = 8;
+    let ok = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let path = &path;
+                s.spawn(move || -> Option<()> {
+                    let f = open_direct(path)?;
+                    let mut buf = smoe_engine::store::aligned::AlignedBuf::new(stride)?;
+                    // Spread over the file so the reads are not sequential.
+                    for i in (t..n).step_by(threads) {
+                        let b = &x.blobs[(i * 7919) % x.blobs.len()];
+                        f.read_exact_at(buf.as_mut_slice(), b.offset).ok()?;
+                    }
+                    Some(())
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .all(|h| h.join().ok().flatten().is_some())
+    });
+    ok.then(|| (n * stride) as f64 / start.elapsed().as_secs_f64() / 1e9)
+}
+
+fn open_direct(path: &std::path::Path) -> Option<std::fs::File> {
+    smoe_engine::store::reader::open_direct(path).or_else(|| std::fs::File::open(path).ok())
+}
+
+/// Host memory copy bandwidth (read + write counted), for the bandwidth bound.
+fn copy_gbps() -> f64 {
+    let n = 256 << 20;
+    let src = vec![1u8; n];
+    let mut dst = vec![0u8; n];
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t = Instant::now();
+        dst.copy_from_slice(&src);
+        best = best.min(t.elapsed().as_secs_f64());
+        std::hint::black_box(&dst);
+    }
+    2.0 * n as f64 / best / 1e9
+}
+
+/// Bytes one decoded token touches: every dense tensor but the embedding (one row of it), and
+/// top-k expert blobs in each MoE layer.
+fn bytes_per_token(engine: &Engine) -> u64 {
+    let h = &engine.vault.header;
+    let c = &h.config;
+    let dense: u64 = h
+        .tensors
+        .iter()
+        .filter(|t| t.name != "model.embed_tokens.weight")
+        .map(|t| t.length)
+        .sum();
+    let lm = if c.tie_word_embeddings {
+        h.tensors
+            .iter()
+            .find(|t| t.name == "model.embed_tokens.weight")
+            .map_or(0, |t| t.length)
+    } else {
+        0
+    };
+    let expert = h.experts.as_ref().map_or(0, |x| x.used_bytes);
+    dense + lm + (c.moe_layers().count() * c.num_experts_per_tok) as u64 * expert
+}
+
+fn decode(a: DecodeArgs) -> Result<()> {
+    if a.tg == 0 || a.reps == 0 {
+        bail!("--tg and --reps must be at least 1");
+    }
+    let path = model_path(a.model.as_deref())?;
+    let engine = open_engine_with(&path, a.backend, &a.store)?;
+    let vocab = engine.model.config().vocab_size as u32;
+    let experts = engine.model.experts();
+    eprintln!("measuring disk and memory bandwidth…");
+    let disk = disk_gbps(&engine);
+    let copy = copy_gbps();
+    let opts = GenerateOptions {
+        max_tokens: a.tg,
+        sampler: SamplerConfig::greedy(),
+        stop_ids: vec![],
+        stop_strings: vec![],
+    };
+    // Warm-up: touches the code paths (and, with a cache, starts filling it as real use would).
+    engine.session(16).generate(
+        &[1],
+        &GenerateOptions {
+            max_tokens: 8,
+            ..opts.clone()
+        },
+        &mut |_| {},
+    )?;
+    let mut pp_tps = vec![];
+    if a.pp > 0 {
+        let prompt: Vec<u32> = (0..a.pp as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+        for _ in 0..a.reps {
+            let mut s = engine.session(a.pp);
+            let t = Instant::now();
+            s.feed(&prompt, Logits::Last)?;
+            pp_tps.push(a.pp as f64 / t.elapsed().as_secs_f64());
+        }
+    }
+    experts.reset_stats();
+    let mut tg_tps = vec![];
+    for _ in 0..a.reps {
+        let g = engine
+            .session(a.tg + 1)
+            .generate(&[1], &opts, &mut |_| {})?;
+        tg_tps.push(g.tokens.len() as f64 / (g.prefill_seconds + g.decode_seconds));
+    }
+    let stats = a.store.finish(&engine);
+    let (tg, tg_lo, tg_hi) = median_spread(tg_tps);
+    let touched = bytes_per_token(&engine);
+    let bw_bound = copy / 2.0 * 1e9 / touched as f64; // reads only: half the copy traffic
+    let tokens = (a.tg * a.reps) as f64;
+    let miss_bytes_per_token = stats
+        .as_ref()
+        .map_or(0.0, |s| s.total.bytes_read as f64 / tokens);
+    let io_bound = match (disk, miss_bytes_per_token > 0.0) {
+        (Some(d), true) => Some(d * 1e9 / miss_bytes_per_token),
+        _ => None,
+    };
+    let pp = (!pp_tps.is_empty()).then(|| median_spread(pp_tps));
+    let report = serde_json::json!({
+        "model": path.display().to_string(),
+        "tg": a.tg, "pp": a.pp, "reps": a.reps,
+        "decode_tok_per_s": {"median": tg, "min": tg_lo, "max": tg_hi},
+        "prefill_tok_per_s": pp.map(|(m, lo, hi)| serde_json::json!({"median": m, "min": lo, "max": hi})),
+        "bytes_touched_per_token": touched,
+        "memory_copy_gb_per_s": copy,
+        "bandwidth_bound_tok_per_s": bw_bound,
+        "decode_over_bandwidth_bound": tg / bw_bound,
+        "disk_direct_read_gb_per_s": disk,
+        "miss_bytes_per_token": miss_bytes_per_token,
+        "io_bound_tok_per_s": io_bound,
+        "decode_over_io_bound": io_bound.map(|b| tg / b),
+        "hit_rate": stats.as_ref().map(|s| s.hit_rate),
+        "read_gb_per_s": stats.as_ref().map(|s| s.read_gb_per_s),
+        "cache_budget_bytes": stats.as_ref().map(|s| s.cache_budget),
+    });
+    if a.json {
+        println!("{report}");
+        return Ok(());
+    }
+    if let Some((m, lo, hi)) = pp {
+        println!(
+            "prefill  pp{:<5} {m:>10.1} tok/s  (min {lo:.1}, max {hi:.1})",
+            a.pp
+        );
+    }
+    println!(
+        "decode   tg{:<5} {tg:>10.1} tok/s  (min {tg_lo:.1}, max {tg_hi:.1})",
+        a.tg
+    );
+    println!("bandwidth bound  {bw_bound:>10.1} tok/s  ({:.1} MiB touched per token, memory copy {copy:.1} GB/s) → {:.1}%", touched as f64 / (1 << 20) as f64, 100.0 * tg / bw_bound);
+    match (&stats, io_bound) {
+        (Some(s), Some(b)) => println!(
+            "I/O bound        {b:>10.1} tok/s  ({:.1} MiB missed per token, disk {:.2} GB/s direct) → {:.1}%; hit rate {:.1}%, read {:.2} GB/s",
+            miss_bytes_per_token / (1 << 20) as f64,
+            disk.unwrap_or(0.0),
+            100.0 * tg / b,
+            100.0 * s.hit_rate,
+            s.read_gb_per_s
+        ),
+        (Some(s), None) => println!("experts all cached: hit rate {:.1}%", 100.0 * s.hit_rate),
+        (None, _) => println!("experts resident (memory-mapped); disk {:.2} GB/s direct", disk.unwrap_or(0.0)),
+    }
+    Ok(())
+}

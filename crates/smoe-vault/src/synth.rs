@@ -1,0 +1,318 @@
+//! Full-size vaults with random weights and exactly a real model's shapes, for benchmarks.
+//!
+//! Codes are random bytes and scales are set so activations keep a sensible size, so a vault is
+//! written about as fast as the disk takes it. `router_skew` makes expert popularity follow a
+//! Zipf-like law: the residual stream carries a constant channel (dimension 0 of the embedding is
+//! 1 and no layer writes to it), and each router row adds `−skew · ln(rank)` along that channel,
+//! so expert `rank` is picked roughly ∝ rank^−skew. The realised popularity is what the bench and
+//! `smoe profile` report.
+
+use crate::config::{FfnKind, GenerationDefaults, ModelConfig, QkNorm, Rope};
+use crate::error::Result;
+use crate::format::{Header, QuantInfo, TextInfo};
+use crate::import::hf::expert_parts;
+use crate::quant::{quantize_matrix, DType};
+use crate::writer::VaultWriter;
+use half::f16;
+use std::io::{Seek, Write};
+
+/// Shapes of the models we stand in for.
+pub fn preset(name: &str) -> Option<ModelConfig> {
+    let (layers, hidden, heads, kv, head_dim, experts, top_k, moe_inter, vocab) = match name {
+        "qwen3-30b-a3b" => (48, 2048, 32, 4, 128, 128, 8, 768, 151936),
+        "qwen3-235b-a22b" => (94, 4096, 64, 4, 128, 128, 8, 1536, 151936),
+        // Small enough for tests and quick trials, same structure.
+        "tiny" => (4, 256, 4, 2, 64, 16, 4, 128, 1024),
+        _ => return None,
+    };
+    Some(ModelConfig {
+        architecture: crate::Architecture::Qwen3Moe,
+        vocab_size: vocab,
+        hidden_size: hidden,
+        num_layers: layers,
+        num_heads: heads,
+        num_kv_heads: kv,
+        head_dim,
+        intermediate_size: 0,
+        moe_intermediate_size: moe_inter,
+        num_experts: experts,
+        num_experts_per_tok: top_k,
+        norm_topk_prob: true,
+        rms_norm_eps: 1e-6,
+        rope: Rope {
+            theta: 1e6,
+            yarn: None,
+        },
+        max_position_embeddings: 40960,
+        tie_word_embeddings: false,
+        ffn: vec![FfnKind::Moe; layers],
+        qk_norm: QkNorm::PerHead,
+        qkv_bias: false,
+        clip_qkv: None,
+        sliding_window: None,
+        shared_expert_intermediate_size: 0,
+    })
+}
+
+pub const PRESETS: [&str; 3] = ["qwen3-30b-a3b", "qwen3-235b-a22b", "tiny"];
+
+/// xorshift64*: fast, deterministic, good enough for random weights.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545F4914F6CDD1D)
+    }
+    /// Uniform in [-1, 1).
+    fn uniform(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    fn fill(&mut self, out: &mut [u8]) {
+        for c in out.chunks_mut(8) {
+            let v = self.next().to_le_bytes();
+            c.copy_from_slice(&v[..c.len()]);
+        }
+    }
+}
+
+/// Random rows in storage type `dtype` whose values are about ±`scale`: quantized types get
+/// random codes and a fixed scale, others go through the quantizer.
+fn random_matrix(rng: &mut Rng, dtype: DType, rows: usize, cols: usize, scale: f32) -> Vec<u8> {
+    if !dtype.is_quantized() {
+        let v: Vec<f32> = (0..rows * cols).map(|_| rng.uniform() * scale).collect();
+        return quantize_matrix(dtype, &v, rows, cols);
+    }
+    let stride = dtype.row_stride(cols);
+    let code_bytes = dtype.code_bytes(cols);
+    let groups = cols / crate::quant::GROUP;
+    let levels = match dtype {
+        DType::Q8 => 127.0,
+        DType::Q4 => 8.0,
+        _ => 2.0,
+    };
+    let d = f16::from_f32(scale / levels).to_bits().to_le_bytes();
+    let m = f16::from_f32(-scale).to_bits().to_le_bytes();
+    let mut out = vec![0u8; rows * stride];
+    for row in out.chunks_mut(stride) {
+        rng.fill(&mut row[..code_bytes]);
+        if dtype == DType::Q8 {
+            // Keep codes inside [-127, 127].
+            for b in &mut row[..code_bytes] {
+                if *b == 0x80 {
+                    *b = 0x81;
+                }
+            }
+        }
+        let params = &mut row[code_bytes..];
+        for g in 0..groups {
+            if dtype == DType::Q2 {
+                params[4 * g..4 * g + 2].copy_from_slice(&d);
+                params[4 * g + 2..4 * g + 4].copy_from_slice(&m);
+            } else {
+                params[2 * g..2 * g + 2].copy_from_slice(&d);
+            }
+        }
+    }
+    out
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct SynthOptions {
+    pub experts: DType,
+    pub scout: DType,
+    pub router_skew: f32,
+    pub seed: u64,
+}
+
+/// Writes a random vault of shape `cfg`; `progress(bytes)` after each tensor or blob.
+pub fn synth<W: Write + Seek>(
+    cfg: &ModelConfig,
+    opts: SynthOptions,
+    mut w: VaultWriter<W>,
+    progress: &mut dyn FnMut(u64),
+) -> Result<(u64, W)> {
+    let mut rng = Rng(opts.seed | 1);
+    let (h, q, kv, hd) = (
+        cfg.hidden_size,
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.head_dim,
+    );
+    let s = |fan_in: usize| (3.0 / fan_in as f32).sqrt();
+    let mut put = |w: &mut VaultWriter<W>,
+                   name: &str,
+                   dtype: DType,
+                   shape: &[usize],
+                   bytes: Vec<u8>|
+     -> Result<()> {
+        w.add_tensor(name, dtype, shape, &bytes)?;
+        progress(bytes.len() as u64);
+        Ok(())
+    };
+    let ones = |n: usize| quantize_matrix(DType::F32, &vec![1.0; n], 1, n);
+    // The embedding's dimension 0 is the constant channel that carries the router skew.
+    let mut embed = vec![0f32; cfg.vocab_size * h];
+    for (i, v) in embed.iter_mut().enumerate() {
+        *v = if i % h == 0 { 1.0 } else { rng.uniform() };
+    }
+    put(
+        &mut w,
+        "model.embed_tokens.weight",
+        opts.scout,
+        &[cfg.vocab_size, h],
+        quantize_matrix(opts.scout, &embed, cfg.vocab_size, h),
+    )?;
+    drop(embed);
+    let mut order: Vec<usize> = (0..cfg.num_experts).collect();
+    for l in 0..cfg.num_layers {
+        let p = format!("model.layers.{l}");
+        put(
+            &mut w,
+            &format!("{p}.input_layernorm.weight"),
+            DType::F32,
+            &[h],
+            ones(h),
+        )?;
+        put(
+            &mut w,
+            &format!("{p}.post_attention_layernorm.weight"),
+            DType::F32,
+            &[h],
+            ones(h),
+        )?;
+        put(
+            &mut w,
+            &format!("{p}.self_attn.q_proj.weight"),
+            opts.scout,
+            &[q, h],
+            random_matrix(&mut rng, opts.scout, q, h, s(h)),
+        )?;
+        put(
+            &mut w,
+            &format!("{p}.self_attn.k_proj.weight"),
+            opts.scout,
+            &[kv, h],
+            random_matrix(&mut rng, opts.scout, kv, h, s(h)),
+        )?;
+        put(
+            &mut w,
+            &format!("{p}.self_attn.v_proj.weight"),
+            opts.scout,
+            &[kv, h],
+            random_matrix(&mut rng, opts.scout, kv, h, s(h)),
+        )?;
+        // o_proj writes nothing to the constant channel (row 0 is zero).
+        let mut o = vec![0f32; h * q];
+        for v in o.iter_mut().skip(q) {
+            *v = rng.uniform() * s(q) * 0.5;
+        }
+        put(
+            &mut w,
+            &format!("{p}.self_attn.o_proj.weight"),
+            opts.scout,
+            &[h, q],
+            quantize_matrix(opts.scout, &o, h, q),
+        )?;
+        put(
+            &mut w,
+            &format!("{p}.self_attn.q_norm.weight"),
+            DType::F32,
+            &[hd],
+            ones(hd),
+        )?;
+        put(
+            &mut w,
+            &format!("{p}.self_attn.k_norm.weight"),
+            DType::F32,
+            &[hd],
+            ones(hd),
+        )?;
+        // Router: random rows plus −skew·ln(rank) along the constant channel; ranks shuffled
+        // per layer so each layer has its own popular experts.
+        for i in (1..order.len()).rev() {
+            order.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+        }
+        let mut router = vec![0f32; cfg.num_experts * h];
+        for (e, row) in router.chunks_mut(h).enumerate() {
+            for v in row.iter_mut() {
+                *v = rng.uniform() * s(h);
+            }
+            let rank = order[e] + 1;
+            // The normed constant channel is O(1), like the random part of a logit.
+            row[0] = -opts.router_skew * (rank as f32).ln();
+        }
+        put(
+            &mut w,
+            &format!("{p}.mlp.gate.weight"),
+            DType::Bf16,
+            &[cfg.num_experts, h],
+            quantize_matrix(DType::Bf16, &router, cfg.num_experts, h),
+        )?;
+    }
+    put(&mut w, "model.norm.weight", DType::F32, &[h], ones(h))?;
+    put(
+        &mut w,
+        "lm_head.weight",
+        opts.scout,
+        &[cfg.vocab_size, h],
+        random_matrix(&mut rng, opts.scout, cfg.vocab_size, h, s(h) * 4.0),
+    )?;
+    let parts = expert_parts(cfg, opts.experts);
+    let used = parts.iter().map(|p| p.offset + p.length).max().unwrap_or(0) as usize;
+    w.begin_experts(parts.clone())?;
+    let mut blob = vec![0u8; used];
+    for l in 0..cfg.num_layers {
+        for e in 0..cfg.num_experts {
+            for p in &parts {
+                let (rows, cols) = (p.shape[0], p.shape[1]);
+                let mut m = random_matrix(&mut rng, p.dtype, rows, cols, s(cols));
+                if p.name == "down_proj" {
+                    // Experts write nothing to the constant channel either.
+                    let stride = p.dtype.row_stride(cols);
+                    m[..stride].fill(0);
+                }
+                blob[p.offset as usize..(p.offset + p.length) as usize].copy_from_slice(&m);
+            }
+            w.add_expert(l, e, &blob)?;
+            progress(used as u64);
+        }
+    }
+    let header = Header {
+        config: cfg.clone(),
+        hf_config: serde_json::json!({"synthetic": true, "router_skew": opts.router_skew, "seed": opts.seed}),
+        text: TextInfo::default(),
+        generation: GenerationDefaults::default(),
+        quant: QuantInfo {
+            experts: opts.experts,
+            scout: opts.scout,
+            group_size: crate::quant::GROUP,
+        },
+        tensors: vec![],
+        experts: None,
+        writer: format!("smoe {} synth", env!("CARGO_PKG_VERSION")),
+    };
+    w.finish(header)
+}
+
+/// Bytes the vault will hold (for the progress bar).
+pub fn estimate_bytes(cfg: &ModelConfig, opts: SynthOptions) -> u64 {
+    let (h, q, kv) = (
+        cfg.hidden_size,
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+    );
+    let m = |dt: DType, r: usize, c: usize| (r * dt.row_stride(c)) as u64;
+    let per_layer = 2 * m(DType::F32, 1, h)
+        + m(opts.scout, q, h)
+        + 2 * m(opts.scout, kv, h)
+        + m(opts.scout, h, q)
+        + 2 * m(DType::F32, 1, cfg.head_dim)
+        + m(DType::Bf16, cfg.num_experts, h);
+    let parts = expert_parts(cfg, opts.experts);
+    let used = parts.iter().map(|p| p.offset + p.length).max().unwrap_or(0);
+    2 * m(opts.scout, cfg.vocab_size, h)
+        + cfg.num_layers as u64 * (per_layer + cfg.num_experts as u64 * used)
+}
