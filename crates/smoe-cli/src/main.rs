@@ -35,10 +35,6 @@ enum Command {
     Perplexity(cmd::perplexity::Args),
     /// Show a vault's configuration, tensors, quantization and checksums.
     Inspect(cmd::inspect::Args),
-    /// Serve the model over an OpenAI-compatible HTTP API.
-    Serve(cmd::serve::Args),
-    /// Chat with the model in the terminal.
-    Chat(cmd::chat::Args),
     /// Write a full-size vault with random weights and a real model's shapes (for benchmarks).
     Synth(cmd::synth::Args),
     /// Benchmarks: decode/prefill against the I/O and bandwidth bounds, GPU kernel GB/s.
@@ -83,8 +79,6 @@ fn main() {
         Command::Synth(a) => cmd::synth::run(a),
         Command::Bench(b) => cmd::bench::run(b),
         Command::Profile(a) => cmd::profile::run(a),
-        Command::Serve(a) => cmd::serve::run(a),
-        Command::Chat(a) => cmd::chat::run(a),
     };
     if let Err(e) = result {
         // One line: the error and its causes, joined.

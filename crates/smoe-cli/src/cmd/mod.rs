@@ -1,10 +1,8 @@
 pub mod bench;
-pub mod chat;
 pub mod convert;
 pub mod generate;
 pub mod inspect;
 pub mod logprobs;
 pub mod perplexity;
 pub mod profile;
-pub mod serve;
 pub mod synth;
