@@ -154,6 +154,7 @@ mod tests {
             n_kv_heads: 2,
             head_dim: 2,
             scale: 1.0,
+            window: None,
         };
         let q = vec![1.0; 8];
         let k = vec![0.5; 4];
@@ -170,6 +171,7 @@ mod tests {
             n_kv_heads: 1,
             head_dim: 1,
             scale: 1.0,
+            window: None,
         };
         // Two tokens at positions 0 and 1; keys 0 and ln 3 → weights 1/4 and 3/4 for token 1.
         let k = vec![0.0, 3f32.ln()];
