@@ -241,8 +241,9 @@ pub fn synth<W: Write + Seek>(
                 *v = rng.uniform() * s(h);
             }
             let rank = order[e] + 1;
-            // The normed constant channel is O(1), like the random part of a logit.
-            row[0] = -opts.router_skew * (rank as f32).ln();
+            // After RMSNorm the constant channel is 1/rms(embedding) = √3 (uniform ±1 rows):
+            // divide it out so the logit bias is −skew·ln(rank) against O(1) noise.
+            row[0] = -opts.router_skew * (rank as f32).ln() / 3f32.sqrt();
         }
         put(
             &mut w,
@@ -263,21 +264,34 @@ pub fn synth<W: Write + Seek>(
     let parts = expert_parts(cfg, opts.experts);
     let used = parts.iter().map(|p| p.offset + p.length).max().unwrap_or(0) as usize;
     w.begin_experts(parts.clone())?;
-    let mut blob = vec![0u8; used];
+    // Blobs are generated in parallel batches (each expert from its own seed) and written in
+    // order: the disk, not the random number generator, sets the pace.
+    use rayon::prelude::*;
     for l in 0..cfg.num_layers {
-        for e in 0..cfg.num_experts {
-            for p in &parts {
-                let (rows, cols) = (p.shape[0], p.shape[1]);
-                let mut m = random_matrix(&mut rng, p.dtype, rows, cols, s(cols));
-                if p.name == "down_proj" {
-                    // Experts write nothing to the constant channel either.
-                    let stride = p.dtype.row_stride(cols);
-                    m[..stride].fill(0);
-                }
-                blob[p.offset as usize..(p.offset + p.length) as usize].copy_from_slice(&m);
+        for e0 in (0..cfg.num_experts).step_by(32) {
+            let e1 = (e0 + 32).min(cfg.num_experts);
+            let blobs: Vec<Vec<u8>> = (e0..e1)
+                .into_par_iter()
+                .map(|e| {
+                    let mut rng = Rng(opts.seed.wrapping_mul(0x9E3779B97F4A7C15) ^ ((l as u64) << 32 | e as u64) | 1);
+                    let mut blob = vec![0u8; used];
+                    for p in &parts {
+                        let (rows, cols) = (p.shape[0], p.shape[1]);
+                        let mut m = random_matrix(&mut rng, p.dtype, rows, cols, s(cols));
+                        if p.name == "down_proj" {
+                            // Experts write nothing to the constant channel either.
+                            let stride = p.dtype.row_stride(cols);
+                            m[..stride].fill(0);
+                        }
+                        blob[p.offset as usize..(p.offset + p.length) as usize].copy_from_slice(&m);
+                    }
+                    blob
+                })
+                .collect();
+            for (i, blob) in blobs.iter().enumerate() {
+                w.add_expert(l, e0 + i, blob)?;
+                progress(used as u64);
             }
-            w.add_expert(l, e, &blob)?;
-            progress(used as u64);
         }
     }
     let header = Header {

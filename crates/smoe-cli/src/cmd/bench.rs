@@ -127,15 +127,16 @@ fn open_direct(path: &std::path::Path) -> Option<std::fs::File> {
     smoe_engine::store::reader::open_direct(path).or_else(|| std::fs::File::open(path).ok())
 }
 
-/// Host memory copy bandwidth (read + write counted), for the bandwidth bound.
+/// Host memory copy bandwidth with all cores (read + write counted), for the bandwidth bound.
 fn copy_gbps() -> f64 {
-    let n = 256 << 20;
+    use rayon::prelude::*;
+    let n = 1 << 30;
     let src = vec![1u8; n];
     let mut dst = vec![0u8; n];
     let mut best = f64::MAX;
     for _ in 0..3 {
         let t = Instant::now();
-        dst.copy_from_slice(&src);
+        dst.par_chunks_mut(1 << 20).zip(src.par_chunks(1 << 20)).for_each(|(d, s)| d.copy_from_slice(s));
         best = best.min(t.elapsed().as_secs_f64());
         std::hint::black_box(&dst);
     }
