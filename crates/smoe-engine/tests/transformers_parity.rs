@@ -115,6 +115,7 @@ fn open(v: &TempVault) -> Engine {
         EngineOptions {
             verify: true,
             prefill_chunk: 64,
+            ..Default::default()
         },
     )
     .expect("open")

@@ -3,8 +3,6 @@
 use crate::common::{model_path, open_engine_with, Backend};
 use crate::store_args::StoreArgs;
 use anyhow::{bail, Result};
-use smoe_engine::engine::GenerateOptions;
-use smoe_engine::sampler::SamplerConfig;
 use smoe_engine::{Engine, Logits};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -136,7 +134,9 @@ fn copy_gbps() -> f64 {
     let mut best = f64::MAX;
     for _ in 0..3 {
         let t = Instant::now();
-        dst.par_chunks_mut(1 << 20).zip(src.par_chunks(1 << 20)).for_each(|(d, s)| d.copy_from_slice(s));
+        dst.par_chunks_mut(1 << 20)
+            .zip(src.par_chunks(1 << 20))
+            .for_each(|(d, s)| d.copy_from_slice(s));
         best = best.min(t.elapsed().as_secs_f64());
         std::hint::black_box(&dst);
     }
@@ -177,21 +177,21 @@ fn decode(a: DecodeArgs) -> Result<()> {
     eprintln!("measuring disk and memory bandwidth…");
     let disk = disk_gbps(&engine);
     let copy = copy_gbps();
-    let opts = GenerateOptions {
-        max_tokens: a.tg,
-        sampler: SamplerConfig::greedy(),
-        stop_ids: vec![],
-        stop_strings: vec![],
+    // Decode steps are fed a fixed pseudo-random token stream (each step still runs the LM head
+    // and an argmax): a random-weight model's own output collapses onto one token, which routes
+    // every step to the same experts and would flatter any cache.
+    let stream = |i: usize| ((i as u64 * 2654435761 + 97) % vocab as u64) as u32;
+    let decode_run = |n: usize, offset: usize| -> Result<f64> {
+        let mut s = engine.session(n + 1);
+        let t = Instant::now();
+        for i in 0..n {
+            let logits = s.feed(&[stream(offset + i)], Logits::Last)?;
+            std::hint::black_box(smoe_engine::sampler::argmax(&logits));
+        }
+        Ok(n as f64 / t.elapsed().as_secs_f64())
     };
     // Warm-up: touches the code paths (and, with a cache, starts filling it as real use would).
-    engine.session(16).generate(
-        &[1],
-        &GenerateOptions {
-            max_tokens: 8,
-            ..opts.clone()
-        },
-        &mut |_| {},
-    )?;
+    decode_run(8, 1_000_000)?;
     let mut pp_tps = vec![];
     if a.pp > 0 {
         let prompt: Vec<u32> = (0..a.pp as u32).map(|i| (i * 7919 + 13) % vocab).collect();
@@ -204,11 +204,8 @@ fn decode(a: DecodeArgs) -> Result<()> {
     }
     experts.reset_stats();
     let mut tg_tps = vec![];
-    for _ in 0..a.reps {
-        let g = engine
-            .session(a.tg + 1)
-            .generate(&[1], &opts, &mut |_| {})?;
-        tg_tps.push(g.tokens.len() as f64 / (g.prefill_seconds + g.decode_seconds));
+    for r in 0..a.reps {
+        tg_tps.push(decode_run(a.tg, r * a.tg)?);
     }
     let stats = a.store.finish(&engine);
     let (tg, tg_lo, tg_hi) = median_spread(tg_tps);
