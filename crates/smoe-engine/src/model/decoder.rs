@@ -321,6 +321,36 @@ impl Decoder {
         Ok(())
     }
 
+    /// Lookahead: the next MoE layer's router applied to this layer's input predicts its experts
+    /// well (the residual stream changes little per layer), so their reads can start now and
+    /// overlap this layer's compute. Only a prediction: the real routing happens there.
+    fn prefetch_next(&self, l: usize, t: usize, s: &Scratch) {
+        let c = &self.cfg;
+        let Some((n, router)) =
+            self.layers
+                .iter()
+                .enumerate()
+                .skip(l + 1)
+                .find_map(|(n, layer)| match &layer.ffn {
+                    Ffn::Moe { router, .. } => Some((n, router)),
+                    Ffn::Dense(_) => None,
+                })
+        else {
+            return;
+        };
+        let ne = c.num_experts;
+        let mut logits = vec![0f32; t * ne];
+        matmul(mat(router), &s.h, t, &mut logits);
+        let mut want = vec![false; ne];
+        for row in logits.chunks_exact(ne) {
+            for (e, _) in ops::route_softmax_topk(row, c.num_experts_per_tok, c.norm_topk_prob) {
+                want[e] = true;
+            }
+        }
+        let experts: Vec<usize> = (0..ne).filter(|&e| want[e]).collect();
+        self.experts.prefetch(n, &experts);
+    }
+
     /// Routes every token to its top-k experts, then runs each used expert once over the tokens
     /// routed to it (weights read once per chunk) and adds the weighted outputs to the residual.
     fn moe(&self, l: usize, router: QMatRef, t: usize, s: &mut Scratch) -> Result<(), EngineError> {
@@ -333,6 +363,9 @@ impl Decoder {
             for (e, w) in ops::route_softmax_topk(row, c.num_experts_per_tok, c.norm_topk_prob) {
                 by_expert[e].push((i, w));
             }
+        }
+        if self.experts.is_streaming() {
+            self.prefetch_next(l, t, s);
         }
         // Experts may arrive in any order (cache hits first, then finished reads); their outputs
         // are summed in expert order so the tokens never depend on the cache.

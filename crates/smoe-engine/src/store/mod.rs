@@ -223,6 +223,17 @@ impl Experts {
         }
     }
 
+    /// Starts reading `experts` of `layer` ahead of use (streaming only; a no-op otherwise).
+    pub fn prefetch(&self, layer: usize, experts: &[usize]) {
+        if let Source::Streamed(s) = &self.source {
+            let with_blobs: Vec<(usize, usize)> = experts
+                .iter()
+                .filter_map(|&e| self.mapped.blob_index(layer, e).map(|b| (e, b)))
+                .collect();
+            s.prefetch(layer, &with_blobs);
+        }
+    }
+
     /// Marks the end of a forward pass (ages the cache's use counts).
     pub fn tick(&self) {
         if let Source::Streamed(s) = &self.source {

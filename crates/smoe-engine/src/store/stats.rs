@@ -7,6 +7,10 @@ pub struct LayerStats {
     pub hits: u64,
     pub misses: u64,
     pub bytes_read: u64,
+    /// Misses whose read was started a layer early (lookahead).
+    pub prefetched: u64,
+    /// Lookahead reads of experts the layer did not use.
+    pub prefetch_wasted: u64,
     /// Summed time of the reads themselves (they overlap each other and compute).
     pub read_seconds: f64,
     /// Time the compute thread waited for a read to finish.
@@ -20,6 +24,8 @@ impl LayerStats {
         self.hits += o.hits;
         self.misses += o.misses;
         self.bytes_read += o.bytes_read;
+        self.prefetched += o.prefetched;
+        self.prefetch_wasted += o.prefetch_wasted;
         self.read_seconds += o.read_seconds;
         self.io_wait_seconds += o.io_wait_seconds;
         self.compute_seconds += o.compute_seconds;

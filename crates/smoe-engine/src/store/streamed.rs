@@ -10,16 +10,44 @@ use super::Expert;
 use crate::error::EngineError;
 use smoe_vault::format::ExpertPart;
 use smoe_vault::Vault;
+use std::collections::HashMap;
 use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
+
+type ReadResult = (usize, Result<AlignedBuf, EngineError>, f64);
+
+/// Where a finished read goes: to a layer waiting on it, or into a prefetch slot.
+enum Reply {
+    Now(Sender<ReadResult>),
+    Prefetch(Arc<Pending>),
+}
+
+/// A lookahead read: filled by a reader thread, taken by the layer that needs it.
+#[derive(Default)]
+pub struct Pending {
+    slot: Mutex<Option<ReadResult>>,
+    done: Condvar,
+}
+
+impl Pending {
+    fn wait(&self) -> ReadResult {
+        let mut g = self.slot.lock().unwrap();
+        loop {
+            if let Some(r) = g.take() {
+                return r;
+            }
+            g = self.done.wait(g).unwrap();
+        }
+    }
+}
 
 struct Job {
     key: usize,
     layer: usize,
     expert: usize,
     blob: usize,
-    reply: Sender<(usize, Result<AlignedBuf, EngineError>, f64)>,
+    reply: Reply,
 }
 
 pub struct StreamedStore {
@@ -33,6 +61,8 @@ pub struct StreamedStore {
     reader: Arc<BlobReader>,
     /// Wall time during which at least one read was in flight, for read GB/s.
     busy: Mutex<(f64, usize, Option<Instant>)>,
+    /// Lookahead reads in flight or done, by expert key, until their layer takes them.
+    prefetched: Mutex<HashMap<usize, Arc<Pending>>>,
 }
 
 impl StreamedStore {
@@ -63,6 +93,7 @@ impl StreamedStore {
             jobs: Mutex::new(tx),
             reader: Arc::new(reader),
             busy: Mutex::new((0.0, 0, None)),
+            prefetched: Mutex::new(HashMap::new()),
         });
         let rx = Arc::new(Mutex::new(rx));
         for i in 0..threads.max(1) {
@@ -114,6 +145,29 @@ impl StreamedStore {
         Ok(self.cache.lock().unwrap().insert(key, buf, true))
     }
 
+    /// Starts reading the experts a later layer will probably need (not cached, not already
+    /// coming), so the reads overlap this layer's compute.
+    pub fn prefetch(&self, layer: usize, experts: &[(usize, usize)]) {
+        let cache = self.cache.lock().unwrap();
+        let mut pre = self.prefetched.lock().unwrap();
+        let jobs = self.jobs.lock().unwrap();
+        for &(e, blob) in experts {
+            let key = layer * self.n_experts + e;
+            if cache.contains(key) || pre.contains_key(&key) {
+                continue;
+            }
+            let p = Arc::new(Pending::default());
+            pre.insert(key, p.clone());
+            let _ = jobs.send(Job {
+                key,
+                layer,
+                expert: e,
+                blob,
+                reply: Reply::Prefetch(p),
+            });
+        }
+    }
+
     /// Runs `f` on each of `experts` (with their blob indices) of `layer`: cache hits first,
     /// then misses in the order their reads finish. The first failed read is returned after the
     /// others have drained; nothing from a failed read is cached.
@@ -125,14 +179,26 @@ impl StreamedStore {
     ) -> Result<(), EngineError> {
         let mut hits = vec![];
         let mut misses = vec![];
+        let mut pending = vec![];
+        let stale: Vec<(usize, Arc<Pending>)>;
         {
             let mut cache = self.cache.lock().unwrap();
+            let mut pre = self.prefetched.lock().unwrap();
             for &(e, blob) in experts {
-                match cache.touch(layer * self.n_experts + e) {
-                    Some(buf) => hits.push((e, buf)),
-                    None => misses.push((e, blob)),
+                let key = layer * self.n_experts + e;
+                match (cache.touch(key), pre.remove(&key)) {
+                    (Some(buf), _) => hits.push((e, buf)),
+                    (None, Some(p)) => pending.push(p),
+                    (None, None) => misses.push((e, blob)),
                 }
             }
+            // Lookahead reads of this layer that turned out not to be needed.
+            let range = layer * self.n_experts..(layer + 1) * self.n_experts;
+            let keys: Vec<usize> = pre.keys().copied().filter(|k| range.contains(k)).collect();
+            stale = keys
+                .into_iter()
+                .map(|k| (k, pre.remove(&k).unwrap()))
+                .collect();
         }
         let (tx, rx) = channel();
         {
@@ -144,7 +210,7 @@ impl StreamedStore {
                     layer,
                     expert: e,
                     blob,
-                    reply: tx.clone(),
+                    reply: Reply::Now(tx.clone()),
                 };
                 jobs.send(job)
                     .map_err(|_| EngineError::Invalid("reader threads stopped".into()))?;
@@ -158,9 +224,16 @@ impl StreamedStore {
             compute += t.elapsed().as_secs_f64();
         }
         let (mut wait, mut read, mut first_err) = (0.0, 0.0, None);
-        for _ in 0..misses.len() {
+        let n_pending = pending.len();
+        let mut pending = pending.into_iter();
+        for _ in 0..n_pending + misses.len() {
             let t = Instant::now();
-            let Ok((key, result, secs)) = rx.recv() else {
+            // Lookahead reads were issued earlier, so they are the likeliest to be done.
+            let got = match pending.next() {
+                Some(p) => Some(p.wait()),
+                None => rx.recv().ok(),
+            };
+            let Some((key, result, secs)) = got else {
                 break;
             };
             wait += t.elapsed().as_secs_f64();
@@ -178,11 +251,21 @@ impl StreamedStore {
                 }
             }
         }
+        // Unneeded lookahead reads still count as bytes read; keep them if the cache has room.
+        let mut wasted = 0;
+        for (key, p) in stale {
+            wasted += 1;
+            if let (_, Ok(buf), _) = p.wait() {
+                self.cache.lock().unwrap().insert(key, Arc::new(buf), false);
+            }
+        }
         let mut st = self.stats.lock().unwrap();
         let ls = &mut st.per_layer[layer];
         ls.hits += hits.len() as u64;
-        ls.misses += misses.len() as u64;
-        ls.bytes_read += (misses.len() * self.stride) as u64;
+        ls.misses += (n_pending + misses.len()) as u64;
+        ls.prefetched += n_pending as u64;
+        ls.prefetch_wasted += wasted;
+        ls.bytes_read += ((n_pending + misses.len() + wasted as usize) * self.stride) as u64;
         ls.read_seconds += read;
         ls.io_wait_seconds += wait;
         ls.compute_seconds += compute;
@@ -239,6 +322,14 @@ fn worker(rx: Arc<Mutex<Receiver<Job>>>, store: std::sync::Weak<StreamedStore>) 
         let result = store.read_blob(job.layer, job.expert, job.blob);
         let secs = t.elapsed().as_secs_f64();
         store.busy(false);
-        let _ = job.reply.send((job.key, result, secs));
+        match job.reply {
+            Reply::Now(tx) => {
+                let _ = tx.send((job.key, result, secs));
+            }
+            Reply::Prefetch(p) => {
+                *p.slot.lock().unwrap() = Some((job.key, result, secs));
+                p.done.notify_all();
+            }
+        }
     }
 }
