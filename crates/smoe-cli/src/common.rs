@@ -13,18 +13,15 @@ pub enum Backend {
     Auto,
 }
 
-/// Resolves `--backend` to what this build can run.
-pub fn check_backend(b: Backend) -> Result<()> {
-    match b {
-        Backend::Cpu => Ok(()),
-        Backend::Gpu => {
-            bail!("--backend gpu: this build of smoe has no GPU backend yet; use --backend cpu")
-        }
-        Backend::Auto => {
-            tracing::info!("backend auto: using the CPU (no GPU backend in this build)");
-            Ok(())
-        }
-    }
+/// `--backend` as the engine's option: `gpu` fails at load when there is no usable adapter,
+/// `auto` falls back to the CPU with a log line (`-v` shows it).
+pub fn check_backend(b: Backend) -> Result<smoe_engine::engine::Backend> {
+    use smoe_engine::engine::Backend as B;
+    Ok(match b {
+        Backend::Cpu => B::Cpu,
+        Backend::Gpu => B::Gpu,
+        Backend::Auto => B::Auto,
+    })
 }
 
 /// The demo model (docs/demo-model.md), built into the binary so `smoe generate` works anywhere
@@ -58,19 +55,24 @@ pub fn model_path(arg: Option<&Path>) -> Result<PathBuf> {
     Ok(path)
 }
 
-pub fn open_engine(path: &Path, backend: Backend) -> Result<Engine> {
-    open_engine_with(path, backend, &crate::store_args::StoreArgs::default())
-}
-
 /// Opens a model with the expert-store flags; preloads the profile's hottest experts (with a
 /// progress bar) when streaming.
-pub fn open_engine_with(path: &Path, backend: Backend, store: &crate::store_args::StoreArgs) -> Result<Engine> {
-    check_backend(backend)?;
+pub fn open_engine_with(
+    path: &Path,
+    backend: Backend,
+    store: &crate::store_args::StoreArgs,
+) -> Result<Engine> {
+    let backend = check_backend(backend)?;
     if !path.exists() {
         bail!("{}: no such file", path.display());
     }
-    let opts = EngineOptions { store: store.options(path)?, ..EngineOptions::default() };
-    let engine = Engine::open(path, opts).with_context(|| format!("cannot load {}", path.display()))?;
+    let opts = EngineOptions {
+        store: store.options(path)?,
+        backend,
+        ..EngineOptions::default()
+    };
+    let engine =
+        Engine::open(path, opts).with_context(|| format!("cannot load {}", path.display()))?;
     store.preload(&engine)?;
     Ok(engine)
 }

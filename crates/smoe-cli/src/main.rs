@@ -35,6 +35,14 @@ enum Command {
     Perplexity(cmd::perplexity::Args),
     /// Show a vault's configuration, tensors, quantization and checksums.
     Inspect(cmd::inspect::Args),
+    /// Show the GPU adapter (features, limits) that --backend gpu would use, or that there is none.
+    Info(cmd::info::Args),
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(cmd::serve::Args),
+    /// Chat with the model in the terminal.
+    Chat(cmd::chat::Args),
+    /// Benchmark the server: total tok/s and latency at several numbers of concurrent clients.
+    BenchServe(cmd::bench_serve::Args),
     /// Write a full-size vault with random weights and a real model's shapes (for benchmarks).
     Synth(cmd::synth::Args),
     /// Benchmarks: decode/prefill against the I/O and bandwidth bounds, GPU kernel GB/s.
@@ -76,9 +84,13 @@ fn main() {
         Command::Logprobs(a) => cmd::logprobs::run(a),
         Command::Perplexity(a) => cmd::perplexity::run(a),
         Command::Inspect(a) => cmd::inspect::run(a),
+        Command::Info(a) => cmd::info::run(a),
         Command::Synth(a) => cmd::synth::run(a),
         Command::Bench(b) => cmd::bench::run(b),
         Command::Profile(a) => cmd::profile::run(a),
+        Command::Serve(a) => cmd::serve::run(a),
+        Command::Chat(a) => cmd::chat::run(a),
+        Command::BenchServe(a) => cmd::bench_serve::run(a),
     };
     if let Err(e) = result {
         // One line: the error and its causes, joined.

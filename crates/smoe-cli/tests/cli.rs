@@ -216,18 +216,7 @@ fn bad_input_gives_one_line_errors() {
         &smoe(&["logprobs", "-m", &m, "--prompt-ids", ",", "--json"]),
         "no token ids",
     );
-    assert_one_line_error(
-        &smoe(&[
-            "generate",
-            "-m",
-            &m,
-            "--prompt-ids",
-            "1",
-            "--backend",
-            "gpu",
-        ]),
-        "GPU",
-    );
+    // `--backend gpu` without an adapter: tests/gpu_cli.rs.
     assert_one_line_error(
         &smoe(&["generate", "-m", &m, "--prompt-ids", "1", "--top-p", "0"]),
         "top_p",

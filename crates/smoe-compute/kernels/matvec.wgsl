@@ -32,7 +32,7 @@ struct Params {
     y_tok: u32,
     y_slot: u32,
     ids_off: u32,
-    _pad: u32,
+    x_div: u32,        // consecutive slots that share one x (the k experts of one token); >= 1
 }
 
 override DTYPE: u32 = 2u; // 0 bf16, 1 q8, 2 q4, 3 q2; q4 variants: 4 float bits, 5 int8 dot (see chunk)
@@ -296,7 +296,7 @@ fn main(
         mat = ids[p.ids_off + slot];
     }
     let wbase = p.w_off + mat * p.w_mat_stride;
-    let xbase = p.x_off + slot * p.x_slot + t0 * p.x_tok;
+    let xbase = p.x_off + (slot / p.x_div) * p.x_slot + t0 * p.x_tok;
     let cv = 4u * VPC;
     for (var i = li; i < PART_LEN; i += WG) {
         part[i] = 0.0;

@@ -12,6 +12,18 @@ use smoe_vault::{GenerationDefaults, Vault};
 use std::path::Path;
 use std::time::Instant;
 
+/// Where the model runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Backend {
+    #[default]
+    Cpu,
+    /// The GPU (wgpu); opening fails when there is no usable adapter.
+    Gpu,
+    /// The GPU when one is usable (a device, not a software rasterizer), else the CPU, with a
+    /// log line saying why.
+    Auto,
+}
+
 #[derive(Debug, Clone)]
 pub struct EngineOptions {
     /// Check every scout tensor's checksum at load (expert blobs are checked on first use).
@@ -20,6 +32,7 @@ pub struct EngineOptions {
     pub prefill_chunk: usize,
     /// Where routed experts live: memory-mapped, or streamed into a bounded cache.
     pub store: StoreOptions,
+    pub backend: Backend,
 }
 
 impl Default for EngineOptions {
@@ -28,6 +41,7 @@ impl Default for EngineOptions {
             verify: true,
             prefill_chunk: 256,
             store: StoreOptions::default(),
+            backend: Backend::Cpu,
         }
     }
 }
@@ -48,7 +62,16 @@ impl Engine {
         if opts.verify {
             vault.verify_scout()?;
         }
-        let model = Model::load(&vault, &opts.store)?;
+        let model = match opts.backend {
+            Backend::Cpu => Model::load(&vault, &opts.store)?,
+            Backend::Gpu => Model::load_gpu(&vault, &opts.store)?,
+            Backend::Auto => crate::gpu::auto_adapter()
+                .and_then(|_| Model::load_gpu(&vault, &opts.store))
+                .or_else(|e| {
+                    tracing::info!("backend auto: using the CPU ({e})");
+                    Model::load(&vault, &opts.store)
+                })?,
+        };
         let text = &vault.header.text;
         let tokenizer = text
             .tokenizer_json
@@ -203,6 +226,12 @@ impl Generation {
     }
 }
 
+/// What a forward pass of `generate` hands the sampler.
+enum Next {
+    Logits(Vec<f32>),
+    Id(u32),
+}
+
 /// One sequence: its KV cache and the tokens it has seen.
 pub struct Session<'e> {
     engine: &'e Engine,
@@ -235,6 +264,37 @@ impl<'e> Session<'e> {
         Ok(out)
     }
 
+    /// Appends `tokens` and returns the most likely next token (`sampler::argmax`); on the GPU
+    /// only that id comes back, not the logits.
+    pub fn feed_greedy(&mut self, tokens: &[u32]) -> Result<u32, EngineError> {
+        self.kv.check_room(tokens.len())?;
+        if tokens.is_empty() {
+            return Err(EngineError::Invalid("no tokens to run".into()));
+        }
+        let chunk = self.engine.opts.prefill_chunk.max(1);
+        let model = &self.engine.model;
+        let mut id = 0;
+        let n_chunks = tokens.len().div_ceil(chunk);
+        for (i, part) in tokens.chunks(chunk).enumerate() {
+            if i + 1 == n_chunks {
+                id = model.forward_greedy(&mut self.kv, part, &mut self.scratch)?;
+            } else {
+                model.forward(&mut self.kv, part, Logits::None, &mut self.scratch)?;
+            }
+            self.tokens.extend_from_slice(part);
+        }
+        Ok(id)
+    }
+
+    /// The next token's logits, or (plain greedy decoding) only its id.
+    fn next(&mut self, tokens: &[u32], greedy: bool) -> Result<Next, EngineError> {
+        Ok(if greedy {
+            Next::Id(self.feed_greedy(tokens)?)
+        } else {
+            Next::Logits(self.feed(tokens, Logits::Last)?)
+        })
+    }
+
     pub fn reset(&mut self) {
         self.kv.clear();
         self.tokens.clear();
@@ -257,14 +317,23 @@ impl<'e> Session<'e> {
         let mut stops = StopStrings::new(opts.stop_strings.clone());
         let mut text = tok.map(|_| String::new());
         let mut sampler = Sampler::new(opts.sampler.clone());
+        // Argmax without penalties needs no logits: the GPU picks the token and sends its id.
+        let c = &opts.sampler;
+        let greedy = (c.temperature <= 0.0 || c.top_k == 1)
+            && c.repetition_penalty == 1.0
+            && c.presence_penalty == 0.0
+            && c.frequency_penalty == 0.0;
         let t0 = Instant::now();
-        let mut logits = self.feed(prompt, Logits::Last)?;
+        let mut next = self.next(prompt, greedy)?;
         let prefill_seconds = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         let mut generated = vec![];
         let mut finish = FinishReason::Length;
         while generated.len() < opts.max_tokens {
-            let id = sampler.sample(&mut logits, &self.tokens);
+            let id = match &mut next {
+                Next::Id(id) => *id,
+                Next::Logits(logits) => sampler.sample(logits, &self.tokens),
+            };
             generated.push(id);
             if opts.stop_ids.contains(&id) {
                 finish = FinishReason::Stop;
@@ -284,7 +353,7 @@ impl<'e> Session<'e> {
             if generated.len() == opts.max_tokens || self.kv.check_room(1).is_err() {
                 break;
             }
-            logits = self.feed(&[id], Logits::Last)?;
+            next = self.next(&[id], greedy)?;
         }
         if let (Some(d), Some(t)) = (decoder.as_mut(), text.as_mut()) {
             if finish != FinishReason::Stop || stops.stopped().is_none() {

@@ -10,6 +10,9 @@ pub struct KvCache {
     capacity: usize,
     /// Positions filled so far.
     pub len: usize,
+    /// The cache of a GPU model lives in GPU memory (`k` and `v` stay empty), created at the
+    /// first forward pass together with the kernels bound to it.
+    pub(crate) gpu: Option<Box<crate::gpu::GpuKv>>,
 }
 
 impl KvCache {
@@ -24,6 +27,19 @@ impl KvCache {
             kv_width,
             capacity,
             len: 0,
+            gpu: None,
+        }
+    }
+
+    /// A cache for a GPU model: no host copy of keys and values.
+    pub(crate) fn on_gpu(kv_width: usize, capacity: usize) -> Self {
+        KvCache {
+            k: vec![],
+            v: vec![],
+            kv_width,
+            capacity,
+            len: 0,
+            gpu: None,
         }
     }
 

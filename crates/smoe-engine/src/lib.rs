@@ -4,6 +4,7 @@ pub mod chat;
 pub mod engine;
 pub mod error;
 pub mod experts;
+pub mod gpu;
 pub mod kv_cache;
 pub mod model;
 pub mod rope;

@@ -72,6 +72,16 @@ impl RopeTable {
     pub fn half(&self) -> usize {
         self.half
     }
+
+    /// The `head_dim / 2` inverse frequencies, for backends that compute the angles themselves.
+    pub fn inv_freq(&self) -> &[f32] {
+        &self.inv_freq
+    }
+
+    /// The factor on cos and sin (YaRN's attention factor; 1 otherwise).
+    pub fn scale(&self) -> f32 {
+        self.scale
+    }
 }
 
 #[cfg(test)]

@@ -273,7 +273,9 @@ pub fn synth<W: Write + Seek>(
             let blobs: Vec<Vec<u8>> = (e0..e1)
                 .into_par_iter()
                 .map(|e| {
-                    let mut rng = Rng(opts.seed.wrapping_mul(0x9E3779B97F4A7C15) ^ ((l as u64) << 32 | e as u64) | 1);
+                    let mut rng = Rng(opts.seed.wrapping_mul(0x9E3779B97F4A7C15)
+                        ^ ((l as u64) << 32 | e as u64)
+                        | 1);
                     let mut blob = vec![0u8; used];
                     for p in &parts {
                         let (rows, cols) = (p.shape[0], p.shape[1]);

@@ -1,8 +1,12 @@
 pub mod bench;
+pub mod bench_serve;
+pub mod chat;
 pub mod convert;
 pub mod generate;
+pub mod info;
 pub mod inspect;
 pub mod logprobs;
 pub mod perplexity;
 pub mod profile;
+pub mod serve;
 pub mod synth;

@@ -35,6 +35,7 @@ const KERNELS: &[(&str, &str, bool)] = &[
     ),
     ("argmax", include_str!("../../kernels/argmax.wgsl"), true),
     ("copy", include_str!("../../kernels/copy.wgsl"), false),
+    ("eltwise", include_str!("../../kernels/eltwise.wgsl"), false),
 ];
 
 /// Every kernel's name (for the Metal translation test and `smoe info`).

@@ -30,6 +30,10 @@ pub struct Grouped<'a> {
     /// Each slot reads its own input (`x + s·n_tokens·cols`, e.g. the down projection after a
     /// grouped gate_up); otherwise every slot reads the same `x` (the gate_up of one token).
     pub x_per_slot: bool,
+    /// With `x_per_slot`: this many consecutive slots share one input, slot `s` reading input
+    /// `s / slots_per_x` (the gate_up of several tokens, slots `t·k..t·k + k` being token `t`'s k
+    /// experts). 0 or 1: every slot its own input.
+    pub slots_per_x: usize,
 }
 
 /// One matrix product to record. `x` holds `[slots][n_tokens][cols]` f32 (one slot unless
@@ -63,7 +67,7 @@ struct Params {
     y_tok: u32,
     y_slot: u32,
     ids_off: u32,
-    _pad: u32,
+    x_div: u32,
 }
 
 /// Launch shape and decoding choices; `Default` is what `MatVec::new` uses. Exposed so that
@@ -176,9 +180,15 @@ impl MatVec {
                 ("GROUPED", d.grouped.is_some() as u8 as f64),
             ],
         )?;
-        let (n_slots, n_mats, mat_stride, x_per_slot) = match d.grouped {
-            Some(g) => (g.n_slots, g.n_mats, g.mat_stride, g.x_per_slot),
-            None => (1, 1, 0, false),
+        let (n_slots, n_mats, mat_stride, x_per_slot, x_div) = match d.grouped {
+            Some(g) => (
+                g.n_slots,
+                g.n_mats,
+                g.mat_stride,
+                g.x_per_slot,
+                g.slots_per_x.max(1),
+            ),
+            None => (1, 1, 0, false, 1),
         };
         if mat_stride % 16 != 0 || n_slots == 0 {
             return Err(err(
@@ -186,7 +196,11 @@ impl MatVec {
             ));
         }
         let (xs_slot, ys_slot) = (d.n_tokens * w.cols, d.n_tokens * w.rows);
-        let x_slots = if x_per_slot { n_slots } else { 1 };
+        let x_slots = if x_per_slot {
+            n_slots.div_ceil(x_div)
+        } else {
+            1
+        };
         let (xb, x_off) = d.x.bind(ctx, "matvec x", x_slots * xs_slot, 16)?;
         let (yb, y_off) = d.y.bind(ctx, "matvec y", n_slots * ys_slot, 4)?;
         let ids_fallback;
@@ -244,7 +258,7 @@ impl MatVec {
                 y_tok: w.rows as u32,
                 y_slot: ys_slot as u32,
                 ids_off,
-                _pad: 0,
+                x_div: x_div as u32,
             };
             let pbuf = ctx.uniform("matvec params", &params);
             let bind = ctx.bind_group(

@@ -25,7 +25,7 @@ pub use buffers::{BufRef, StepParams};
 pub use context::{GpuContext, GpuError, GpuInfo};
 pub use kernels::{kernel_names, kernel_source};
 pub use matvec::{Grouped, MatVec, MatVecDesc, MatVecTuning, Q4Decode, WeightRef};
-pub use ops::{Argmax, RmsNorm, WeightedSum};
+pub use ops::{Argmax, EltOp, Eltwise, RmsNorm, WeightedSum};
 pub use router::Router;
 /// The wgpu this backend is built on, for callers that create buffers and encoders.
 pub use wgpu;

@@ -1,4 +1,5 @@
-//! Wrappers of the small kernels: RMSNorm, weighted accumulate, argmax; and `Dispatch`, the
+//! Wrappers of the small kernels: RMSNorm, weighted accumulate, argmax, element-wise ops; and
+//! `Dispatch`, the
 //! one-pipeline-one-bind-group shape they (and the router and attention wrappers) share.
 
 use super::buffers::{Binding, BufRef};
@@ -199,3 +200,75 @@ impl Argmax {
     }
 }
 recordable!(Argmax, "argmax", d);
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct EltParams {
+    n: u32,
+    nb: u32,
+    y_off: u32,
+    b_off: u32,
+    c: f32,
+    _pad: [u32; 3],
+}
+
+/// What [`Eltwise`] does to each value.
+#[derive(Clone, Copy, Debug)]
+pub enum EltOp<'a> {
+    /// `y[i] += bias[i % len]`: a bias of `len` values added to every row (qkv bias).
+    AddRows { bias: BufRef<'a>, len: usize },
+    /// `y[i] = clamp(y[i], -c, c)` (clip_qkv).
+    Clamp(f32),
+    /// `y[i] = 1 / (1 + exp(-y[i]))` (a shared expert's gate).
+    Sigmoid,
+}
+
+/// One element-wise op in place on `n` f32 values of `y`.
+pub struct Eltwise {
+    d: Dispatch,
+}
+
+impl Eltwise {
+    pub fn new(ctx: &GpuContext, y: BufRef, n: usize, op: EltOp) -> Result<Self, GpuError> {
+        let (yb, y_off) = y.bind(ctx, "eltwise y", n, 4)?;
+        // Ops without a bias bind a placeholder there (it may not alias the written `y`); the
+        // bind group keeps it alive.
+        let dummy;
+        let (code, c, nb, (bb, b_off)) = match op {
+            EltOp::AddRows { bias, len } => {
+                if len == 0 || n % len != 0 {
+                    return Err(GpuError::Shape(format!(
+                        "eltwise: {n} values are not rows of {len}"
+                    )));
+                }
+                (0.0, 0.0, len, bias.bind(ctx, "eltwise bias", len, 4)?)
+            }
+            EltOp::Clamp(c) => {
+                dummy = ctx.storage_buffer("eltwise (unused)", 16);
+                (1.0, c, 1, (Binding::whole(&dummy), 0))
+            }
+            EltOp::Sigmoid => {
+                dummy = ctx.storage_buffer("eltwise (unused)", 16);
+                (2.0, 0.0, 1, (Binding::whole(&dummy), 0))
+            }
+        };
+        let p = EltParams {
+            n: n as u32,
+            nb: nb as u32,
+            y_off,
+            b_off,
+            c,
+            _pad: [0; 3],
+        };
+        let d = Dispatch::new(
+            ctx,
+            "eltwise",
+            &[("OP", code)],
+            &p,
+            &[yb, bb],
+            [n.div_ceil(256), 1, 1],
+        )?;
+        Ok(Eltwise { d })
+    }
+}
+recordable!(Eltwise, "eltwise", d);

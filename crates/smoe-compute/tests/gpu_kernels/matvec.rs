@@ -197,13 +197,15 @@ fn matvec_grouped_picks_matrices_by_id() {
             blob[m * stride..m * stride + size].copy_from_slice(q);
         }
         let ids: Vec<u32> = vec![4, 1, 4, 0];
-        for x_per_slot in [false, true] {
-            let x_slots = if x_per_slot { ids.len() } else { 1 };
+        // (x_per_slot, slots_per_x): one x; one per slot; one per pair of slots (two tokens'
+        // two experts each).
+        for (x_per_slot, share) in [(false, 1), (true, 1), (true, 2)] {
+            let x_slots = if x_per_slot { ids.len() / share } else { 1 };
             let x = rand_vec(x_slots * cols, 400 + i as u64, 1.0);
             let mut want = vec![0f32; ids.len() * rows];
             for (s, &id) in ids.iter().enumerate() {
                 let xs = if x_per_slot {
-                    &x[s * cols..(s + 1) * cols]
+                    &x[s / share * cols..(s / share + 1) * cols]
                 } else {
                     &x[..]
                 };
@@ -226,6 +228,7 @@ fn matvec_grouped_picks_matrices_by_id() {
                 n_mats,
                 mat_stride: stride as u64,
                 x_per_slot,
+                slots_per_x: share,
             };
             let mv = MatVec::new(
                 ctx,
@@ -250,7 +253,7 @@ fn matvec_grouped_picks_matrices_by_id() {
             ctx.submit_wait(enc);
             let got = ctx.read_f32(&ybuf, 0, ids.len() * rows).unwrap();
             assert_close(
-                &format!("grouped {dtype} x_per_slot {x_per_slot}"),
+                &format!("grouped {dtype} x_per_slot {x_per_slot} share {share}"),
                 &got,
                 &want,
                 1e-5,

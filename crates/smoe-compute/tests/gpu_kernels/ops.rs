@@ -1,8 +1,9 @@
-//! RMSNorm, weighted accumulate, argmax and the router against their CPU twins.
+//! RMSNorm, weighted accumulate, argmax, the router and the element-wise ops against their CPU
+//! twins.
 
 use super::{assert_close, gpu, nan_buffer, rand_vec};
 use smoe_compute::cpu::ops;
-use smoe_compute::gpu::{Argmax, BufRef, RmsNorm, Router, WeightedSum};
+use smoe_compute::gpu::{Argmax, BufRef, EltOp, Eltwise, RmsNorm, Router, WeightedSum};
 
 #[test]
 fn rms_norm_matches_cpu() {
@@ -176,6 +177,50 @@ fn router_matches_route_softmax_topk() {
                 &want_w,
                 1e-10,
             );
+        }
+    }
+}
+
+#[test]
+fn eltwise_matches_cpu() {
+    // Odd sizes, data at an offset inside the buffer (as the engine's q/k/v regions are).
+    let Some(ctx) = gpu() else { return };
+    for (rows, len) in [(1, 192), (5, 48), (3, 333)] {
+        let n = rows * len;
+        let off = 64;
+        let y0 = rand_vec(off + n, 50 + n as u64, 8.0);
+        let bias = rand_vec(len, 51 + n as u64, 1.0);
+        let bb = ctx.upload_f32("bias", &bias);
+        let twins: [(&str, EltOp, Box<dyn Fn(usize, f32) -> f32>); 3] = [
+            (
+                "add_rows",
+                EltOp::AddRows {
+                    bias: BufRef::new(&bb),
+                    len,
+                },
+                Box::new(|i, v| v + bias[i % len]),
+            ),
+            (
+                "clamp",
+                EltOp::Clamp(3.0),
+                Box::new(|_, v| v.clamp(-3.0, 3.0)),
+            ),
+            (
+                "sigmoid",
+                EltOp::Sigmoid,
+                Box::new(|_, v| 1.0 / (1.0 + (-v).exp())),
+            ),
+        ];
+        for (name, op, twin) in twins {
+            let yb = ctx.upload_f32("y", &y0);
+            let k = Eltwise::new(ctx, BufRef::at(&yb, 4 * off as u64), n, op).unwrap();
+            let mut enc = ctx.encoder();
+            k.encode(&mut enc);
+            ctx.submit_wait(enc);
+            let got = ctx.read_f32(&yb, 0, off + n).unwrap();
+            let want: Vec<f32> = (0..n).map(|i| twin(i, y0[off + i])).collect();
+            assert_eq!(&got[..off], &y0[..off], "{name}: wrote before its range");
+            assert_close(&format!("{name} {rows}x{len}"), &got[off..], &want, 1e-12);
         }
     }
 }

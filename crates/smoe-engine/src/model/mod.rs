@@ -1,6 +1,7 @@
 //! Model architectures: one file per family; this module holds what they share.
 
 pub mod decoder;
+pub mod gpu_decoder;
 
 use crate::error::EngineError;
 use crate::kv_cache::KvCache;
@@ -39,6 +40,8 @@ pub fn mat(t: &TensorData) -> QMatRef<'_> {
 /// attention) becomes a new variant here.
 pub enum Model {
     Decoder(decoder::Decoder),
+    /// The same decoder on the GPU (`--backend gpu`).
+    Gpu(gpu_decoder::GpuDecoder),
 }
 
 impl Model {
@@ -51,9 +54,27 @@ impl Model {
         }
     }
 
+    /// The decoder on the GPU; errors when there is no usable adapter or the model needs
+    /// something the GPU kernels lack.
+    pub fn load_gpu(
+        vault: &Vault,
+        store: &crate::store::StoreOptions,
+    ) -> Result<Self, EngineError> {
+        Ok(Model::Gpu(gpu_decoder::GpuDecoder::load(vault, store)?))
+    }
+
+    /// "cpu" or "gpu".
+    pub fn backend(&self) -> &'static str {
+        match self {
+            Model::Decoder(_) => "cpu",
+            Model::Gpu(_) => "gpu",
+        }
+    }
+
     pub fn config(&self) -> &ModelConfig {
         match self {
             Model::Decoder(m) => &m.cfg,
+            Model::Gpu(m) => &m.cfg,
         }
     }
 
@@ -61,10 +82,14 @@ impl Model {
     pub fn experts(&self) -> &crate::store::Experts {
         match self {
             Model::Decoder(m) => &m.experts,
+            Model::Gpu(m) => &m.experts,
         }
     }
 
     pub fn new_cache(&self, capacity: usize) -> KvCache {
+        if let Model::Gpu(m) = self {
+            return m.new_cache(capacity);
+        }
         let c = self.config();
         KvCache::new(c.num_layers, c.num_kv_heads * c.head_dim, capacity)
     }
@@ -78,6 +103,24 @@ impl Model {
     ) -> Result<Vec<f32>, EngineError> {
         match self {
             Model::Decoder(m) => m.forward(kv, tokens, want, s),
+            Model::Gpu(m) => m.forward(kv, tokens, want),
+        }
+    }
+
+    /// Runs `tokens` and returns the most likely next token (`sampler::argmax` of the last
+    /// row). On the GPU the argmax runs there and only the id is read back.
+    pub fn forward_greedy(
+        &self,
+        kv: &mut KvCache,
+        tokens: &[u32],
+        s: &mut Scratch,
+    ) -> Result<u32, EngineError> {
+        match self {
+            Model::Decoder(m) => {
+                let logits = m.forward(kv, tokens, Logits::Last, s)?;
+                Ok(crate::sampler::argmax(&logits))
+            }
+            Model::Gpu(m) => m.forward_greedy(kv, tokens),
         }
     }
 
@@ -91,6 +134,13 @@ impl Model {
     ) -> Result<Vec<Vec<f32>>, EngineError> {
         match self {
             Model::Decoder(m) => m.forward_batch(kvs, runs, want, s),
+            // One sequence after another (weights read once per sequence, not per batch).
+            Model::Gpu(m) => kvs
+                .iter_mut()
+                .zip(runs)
+                .zip(want)
+                .map(|((kv, run), w)| m.forward(kv, run, *w))
+                .collect(),
         }
     }
 }

@@ -307,6 +307,7 @@ fn bench_matvec(
                 n_mats,
                 mat_stride: mat_bytes,
                 x_per_slot: false,
+                slots_per_x: 1,
             }),
         };
         kernels.push(MatVec::with_tuning(ctx, &desc, tuning)?);

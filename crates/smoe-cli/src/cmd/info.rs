@@ -1,0 +1,28 @@
+//! `smoe info`: what this machine offers smoe: CPU threads, and the GPU adapter that
+//! `--backend gpu|auto` would use, with its features and limits (or why there is none).
+
+use anyhow::Result;
+use smoe_compute::gpu::kernel_names;
+use smoe_engine::gpu;
+
+#[derive(clap::Args)]
+pub struct Args {}
+
+pub fn run(_a: Args) -> Result<()> {
+    println!("smoe {}", env!("CARGO_PKG_VERSION"));
+    println!("cpu: {} threads", rayon::current_num_threads());
+    // The engine's device: a discrete / high-performance adapter first.
+    match gpu::context() {
+        Ok(ctx) => {
+            println!("{}", ctx.info());
+            println!("kernels: {}", kernel_names().join(" "));
+        }
+        // Not an error: the CPU backend still works, and `auto` will use it.
+        Err(e) => println!("no GPU adapter ({e})"),
+    }
+    match gpu::auto_adapter() {
+        Ok(()) => println!("--backend auto: gpu"),
+        Err(e) => println!("--backend auto: cpu ({e})"),
+    }
+    Ok(())
+}

@@ -1,0 +1,91 @@
+//! `--backend gpu` through the binary: greedy generation equals `--backend cpu` on the demo
+//! model; `smoe info` names the adapter; without an adapter `--backend gpu` is a one-line error
+//! and `auto` runs on the CPU. With no adapter the GPU checks print `skipped: no GPU adapter`,
+//! unless `SMOE_REQUIRE_GPU=1`, which turns that into a failure.
+
+use std::process::{Command, Output};
+
+fn smoe(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_smoe"))
+        .args(args)
+        .output()
+        .expect("run smoe")
+}
+
+fn have_gpu() -> bool {
+    match smoe_compute::gpu::GpuContext::new() {
+        Ok(_) => true,
+        Err(e) => {
+            if std::env::var("SMOE_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                panic!("SMOE_REQUIRE_GPU=1 but the GPU is unusable: {e}");
+            }
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "skipped: no GPU adapter ({e})");
+            false
+        }
+    }
+}
+
+fn json(out: &Output) -> serde_json::Value {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "smoe failed: {err}");
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("not JSON ({e}); stderr {err}"))
+}
+
+fn generate(backend: &str) -> Output {
+    let prompt = "The json module can be used to";
+    smoe(&[
+        "generate",
+        "--prompt",
+        prompt,
+        "-n",
+        "48",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--json",
+        "--backend",
+        backend,
+    ])
+}
+
+#[test]
+fn greedy_generation_on_gpu_equals_cpu() {
+    if !have_gpu() {
+        // No adapter: `gpu` refuses in one line, `auto` falls back to the CPU.
+        let out = generate("gpu");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "--backend gpu without an adapter succeeded"
+        );
+        let last = err.lines().rfind(|l| !l.trim().is_empty()).unwrap_or("");
+        assert!(
+            last.starts_with("error:") && last.contains("no GPU adapter"),
+            "{err}"
+        );
+        assert!(!err.contains("panicked"), "{err}");
+        json(&generate("auto"));
+        return;
+    }
+    let (g, c) = (json(&generate("gpu")), json(&generate("cpu")));
+    assert_eq!(g["tokens"], c["tokens"], "GPU and CPU greedy tokens differ");
+    assert_eq!(g["text"], c["text"]);
+    assert_eq!(g["tokens"].as_array().map(|t| t.len()), Some(48));
+}
+
+#[test]
+fn info_names_the_adapter() {
+    let out = smoe(&["info"]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    if have_gpu() {
+        assert!(
+            text.contains("adapter:") && text.contains("SUBGROUP"),
+            "{text}"
+        );
+        assert!(text.contains("max storage binding"), "{text}");
+    } else {
+        assert!(text.contains("no GPU adapter"), "{text}");
+    }
+}

@@ -1,0 +1,117 @@
+//! A sequence's KV cache in GPU memory (f32, one K and one V buffer per layer, preallocated for
+//! the context), with the dispatches bound to it: per batch size and layer, the fused
+//! QK-norm + RoPE + KV append and the attention. Built when the sequence first runs, so a
+//! session costs its bind groups once and the token loop none.
+
+use super::acts::Acts;
+use super::layer::rope_inputs;
+use super::weights::Weights;
+use super::{batch_sizes, gpu_err};
+use crate::error::EngineError;
+use smoe_compute::gpu::{
+    wgpu, AttnDesc, BufRef, DecodeAttention, GpuContext, QkNormRope, QkNormRopeDesc,
+};
+use smoe_vault::ModelConfig;
+
+pub struct GpuKv {
+    /// The model whose buffers the dispatches bind (a cache serves only that model).
+    pub(crate) owner: u64,
+    _k: Vec<wgpu::Buffer>,
+    _v: Vec<wgpu::Buffer>,
+    /// `[batch size index][layer]`.
+    ops: Vec<Vec<(QkNormRope, DecodeAttention)>>,
+}
+
+/// What the attention dispatches need besides the cache.
+pub(crate) struct AttnCtx<'a> {
+    pub ctx: &'a GpuContext,
+    pub cfg: &'a ModelConfig,
+    pub w: &'a Weights,
+    pub a: &'a Acts,
+    /// The step uniform: the position of the batch's first token.
+    pub step: &'a wgpu::Buffer,
+    pub rope_scale: f32,
+}
+
+impl GpuKv {
+    pub(crate) fn new(x: &AttnCtx, capacity: usize, owner: u64) -> Result<Self, EngineError> {
+        let c = x.cfg;
+        let (hd, kw) = (c.head_dim, c.num_kv_heads * c.head_dim);
+        let bytes = 4 * (capacity * kw) as u64;
+        let max = x.ctx.limits().max_buffer_size;
+        if bytes > max {
+            return Err(EngineError::Backend(format!(
+                "GPU: a KV cache of {capacity} positions needs {bytes}-byte buffers per layer, the \
+                 adapter's largest is {max} (lower --ctx)"
+            )));
+        }
+        let k: Vec<_> = (0..c.num_layers)
+            .map(|l| x.ctx.storage_buffer(&format!("k cache {l}"), bytes))
+            .collect();
+        let v: Vec<_> = (0..c.num_layers)
+            .map(|l| x.ctx.storage_buffer(&format!("v cache {l}"), bytes))
+            .collect();
+        let mut ops = vec![];
+        for n in batch_sizes() {
+            let mut per_layer = vec![];
+            for (l, lw) in x.w.layers.iter().enumerate() {
+                let r = rope_inputs(lw, x.a, c, n);
+                let rope = QkNormRope::new(
+                    x.ctx,
+                    &QkNormRopeDesc {
+                        q: r.q,
+                        k: r.k,
+                        v: r.v,
+                        k_cache: BufRef::new(&k[l]),
+                        v_cache: BufRef::new(&v[l]),
+                        norms: r.norms,
+                        inv_freq: BufRef::new(&x.w.inv_freq),
+                        rot_dim: hd,
+                        rope_scale: x.rope_scale,
+                        eps: c.rms_norm_eps as f32,
+                        step: x.step,
+                        n_heads: c.num_heads,
+                        n_kv_heads: c.num_kv_heads,
+                        head_dim: hd,
+                        n_tokens: n,
+                        capacity,
+                    },
+                )
+                .map_err(gpu_err)?;
+                let attn = DecodeAttention::new(
+                    x.ctx,
+                    &AttnDesc {
+                        q: r.q,
+                        k_cache: BufRef::new(&k[l]),
+                        v_cache: BufRef::new(&v[l]),
+                        out: BufRef::new(&x.a.attn),
+                        step: x.step,
+                        n_heads: c.num_heads,
+                        n_kv_heads: c.num_kv_heads,
+                        head_dim: hd,
+                        n_tokens: n,
+                        capacity,
+                        scale: (hd as f32).powf(-0.5),
+                        window: c.sliding_window,
+                    },
+                )
+                .map_err(gpu_err)?;
+                per_layer.push((rope, attn));
+            }
+            ops.push(per_layer);
+        }
+        Ok(GpuKv {
+            owner,
+            _k: k,
+            _v: v,
+            ops,
+        })
+    }
+
+    /// Records layer `l`'s RoPE/append and attention for batch size index `bi`.
+    pub(crate) fn record(&self, bi: usize, l: usize, pass: &mut wgpu::ComputePass<'_>) {
+        let (rope, attn) = &self.ops[bi][l];
+        rope.record(pass);
+        attn.record(pass);
+    }
+}

@@ -1,0 +1,85 @@
+//! The engine side of the GPU backend: weights in GPU memory, activation buffers, and every
+//! kernel of a forward pass recorded at load time (`smoe_compute::gpu` wrappers), so the token
+//! loop only writes a few bytes, records prepared dispatches and submits once.
+//!
+//! - `weights`: the model uploaded once (scout tensors in their vault bytes, each MoE layer's
+//!   expert blobs in one buffer at the vault's blob stride).
+//! - `acts`: activation buffers sized for the largest token batch (`T_MAX`).
+//! - `layer`: one layer's dispatches for a batch of n tokens, except those bound to a KV cache.
+//! - `kv`: a sequence's KV cache and the attention dispatches bound to it.
+//! - `head`: final norm, LM head, argmax and the read-back of logits or token ids.
+//!
+//! `model::gpu_decoder` puts them together. Batches of n tokens are powers of two up to `T_MAX`
+//! (a prompt chunk of 37 tokens runs as 32 + 4 + 1): each size has its own recorded dispatches,
+//! since the kernels' bind groups fix n.
+
+mod acts;
+mod head;
+mod kv;
+mod layer;
+mod weights;
+
+pub(crate) use acts::Acts;
+pub(crate) use head::{extend_f32, Head, Readback};
+pub(crate) use kv::AttnCtx;
+pub use kv::GpuKv;
+pub(crate) use layer::LayerOps;
+pub(crate) use weights::Weights;
+
+use crate::error::EngineError;
+use smoe_compute::gpu::GpuContext;
+use std::sync::{Arc, OnceLock};
+
+/// Largest batch of tokens one submission processes; longer prompt chunks are split.
+pub(crate) const T_MAX: usize = 64;
+
+/// The batch sizes with recorded dispatches: 1, 2, 4, …, `T_MAX`.
+pub(crate) fn batch_sizes() -> Vec<usize> {
+    (0..=T_MAX.trailing_zeros()).map(|i| 1 << i).collect()
+}
+
+/// The largest recorded batch size that fits `remaining` tokens.
+pub(crate) fn piece_len(remaining: usize) -> usize {
+    let n = remaining.min(T_MAX);
+    1 << (usize::BITS - 1 - n.leading_zeros())
+}
+
+/// The process's GPU device, opened once: opening one costs ~0.1–1 s, and every model of a
+/// process (tests load dozens) can share it.
+pub fn context() -> Result<Arc<GpuContext>, EngineError> {
+    static CTX: OnceLock<Result<Arc<GpuContext>, String>> = OnceLock::new();
+    CTX.get_or_init(|| GpuContext::new().map(Arc::new).map_err(|e| e.to_string()))
+        .clone()
+        .map_err(EngineError::Backend)
+}
+
+/// Whether `--backend auto` should take the GPU: a device, and not a software rasterizer
+/// (lavapipe/llvmpipe runs the kernels correctly but far slower than the CPU backend).
+pub fn auto_adapter() -> Result<(), EngineError> {
+    let ctx = context()?;
+    let a = &ctx.info().adapter;
+    if a.device_type == smoe_compute::gpu::wgpu::DeviceType::Cpu {
+        return Err(EngineError::Backend(format!(
+            "the only GPU adapter, {}, is a software one",
+            a.name
+        )));
+    }
+    Ok(())
+}
+
+pub(crate) fn gpu_err(e: smoe_compute::gpu::GpuError) -> EngineError {
+    EngineError::Backend(format!("GPU: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn pieces_are_recorded_sizes() {
+        let sizes = super::batch_sizes();
+        assert_eq!(sizes.last(), Some(&super::T_MAX));
+        for r in 1..300 {
+            let n = super::piece_len(r);
+            assert!(sizes.contains(&n) && n <= r && 2 * n > r.min(super::T_MAX));
+        }
+    }
+}

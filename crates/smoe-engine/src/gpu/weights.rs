@@ -1,0 +1,311 @@
+//! The model in GPU memory, uploaded once at load. Matrices keep their vault bytes (the kernels
+//! decode bf16/q8/q4/q2 themselves); vectors (norms, biases) become f32. Matrices that one kernel
+//! reads together are placed back to back in one buffer: q, k and v (one matvec when the batch
+//! is one token), gate and up (the fused gate_up). Each MoE layer's expert blobs sit in one
+//! buffer at the vault's blob stride, so a grouped matvec picks experts by the router's ids.
+
+use crate::error::EngineError;
+use crate::rope::RopeTable;
+use smoe_compute::gpu::{wgpu, GpuContext, WeightRef};
+use smoe_vault::format::ExpertPart;
+use smoe_vault::{DType, FfnKind, ModelConfig, TensorData, Vault};
+
+/// A matrix `[rows, cols]` at `offset` of `buf`.
+#[derive(Clone, Copy)]
+pub(crate) struct MatAt {
+    pub offset: u64,
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl MatAt {
+    fn bytes(&self) -> u64 {
+        (self.rows * self.dtype.row_stride(self.cols)) as u64
+    }
+    pub fn on<'a>(&self, buf: &'a wgpu::Buffer) -> WeightRef<'a> {
+        WeightRef {
+            buffer: buf,
+            offset: self.offset,
+            dtype: self.dtype,
+            rows: self.rows,
+            cols: self.cols,
+        }
+    }
+}
+
+/// Matrices back to back in one buffer.
+pub(crate) struct Packed {
+    pub buf: wgpu::Buffer,
+    pub mats: Vec<MatAt>,
+}
+
+impl Packed {
+    pub fn w(&self, i: usize) -> WeightRef<'_> {
+        self.mats[i].on(&self.buf)
+    }
+    /// All matrices as one (same dtype and width): rows concatenated.
+    pub fn fused(&self) -> Option<WeightRef<'_>> {
+        let m0 = self.mats[0];
+        let same = self
+            .mats
+            .iter()
+            .all(|m| m.dtype == m0.dtype && m.cols == m0.cols);
+        same.then(|| {
+            let rows = self.mats.iter().map(|m| m.rows).sum();
+            MatAt { rows, ..m0 }.on(&self.buf)
+        })
+    }
+}
+
+/// A SwiGLU MLP: `gate_up` holds gate then up (one gated matvec), then down.
+pub(crate) struct Mlp {
+    pub gate_up: Packed,
+    pub down: Packed,
+}
+
+impl Mlp {
+    /// Byte distance from gate to up.
+    pub fn up_offset(&self) -> u64 {
+        self.gate_up.mats[1].offset
+    }
+}
+
+/// One MoE layer's routed experts: blob `e` at `e * stride`, parts as in the vault.
+pub(crate) struct ExpertStack {
+    pub buf: wgpu::Buffer,
+    pub gate: MatAt,
+    pub up_offset: u64,
+    pub down: MatAt,
+    pub stride: u64,
+    pub n: usize,
+}
+
+pub(crate) enum FfnW {
+    Dense(Mlp),
+    Moe {
+        router: Packed,
+        experts: ExpertStack,
+        /// The always-on expert and its sigmoid gate (`[1, hidden]`).
+        shared: Option<(Mlp, Packed)>,
+    },
+}
+
+pub(crate) struct LayerW {
+    pub input_norm: wgpu::Buffer,
+    pub post_norm: wgpu::Buffer,
+    /// q, k, v projections.
+    pub qkv: Packed,
+    pub o: Packed,
+    /// `[bq | bk | bv]`, f32.
+    pub bias: Option<wgpu::Buffer>,
+    /// q and k norm weights and their lengths (head_dim: per head; else the whole projection).
+    pub qk_norm: Option<((wgpu::Buffer, usize), (wgpu::Buffer, usize))>,
+    pub ffn: FfnW,
+}
+
+pub(crate) struct Weights {
+    pub layers: Vec<LayerW>,
+    pub norm: wgpu::Buffer,
+    pub lm_head: Packed,
+    pub inv_freq: wgpu::Buffer,
+}
+
+struct Loader<'a> {
+    ctx: &'a GpuContext,
+    vault: &'a Vault,
+}
+
+impl Loader<'_> {
+    fn tensor(&self, name: &str) -> Result<TensorData, EngineError> {
+        Ok(self.vault.tensor(name)?)
+    }
+
+    fn vector(&self, name: &str) -> Result<(wgpu::Buffer, usize), EngineError> {
+        let v = self.tensor(name)?.to_f32();
+        Ok((self.ctx.upload_f32(name, &v), v.len()))
+    }
+
+    /// Uploads tensors back to back into one buffer.
+    fn packed(&self, names: &[String]) -> Result<Packed, EngineError> {
+        let ts = names
+            .iter()
+            .map(|n| self.tensor(n))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut mats = vec![];
+        let mut offset = 0u64;
+        for t in &ts {
+            let (rows, cols) = t.rows_cols();
+            let m = MatAt {
+                offset,
+                dtype: t.dtype(),
+                rows,
+                cols,
+            };
+            if m.bytes() != t.bytes().len() as u64 {
+                return Err(EngineError::Backend(format!(
+                    "GPU: {}: {} bytes, expected {} for {rows}x{cols} {}",
+                    t.entry.name,
+                    t.bytes().len(),
+                    m.bytes(),
+                    t.dtype()
+                )));
+            }
+            offset += m.bytes();
+            mats.push(m);
+        }
+        let buf = self.buffer(&names.join("+"), offset)?;
+        for (t, m) in ts.iter().zip(&mats) {
+            self.ctx.queue.write_buffer(&buf, m.offset, t.bytes());
+        }
+        Ok(Packed { buf, mats })
+    }
+
+    fn buffer(&self, label: &str, bytes: u64) -> Result<wgpu::Buffer, EngineError> {
+        let max = self.ctx.limits().max_buffer_size;
+        if bytes > max {
+            return Err(EngineError::Backend(format!(
+                "GPU: {label} needs {bytes} bytes, the adapter's largest buffer is {max}"
+            )));
+        }
+        Ok(self.ctx.storage_buffer(label, bytes))
+    }
+
+    fn mlp(&self, p: &str) -> Result<Mlp, EngineError> {
+        let gate_up = self.packed(&[
+            format!("{p}.gate_proj.weight"),
+            format!("{p}.up_proj.weight"),
+        ])?;
+        let (g, u) = (gate_up.mats[0], gate_up.mats[1]);
+        if (g.dtype, g.rows, g.cols) != (u.dtype, u.rows, u.cols) {
+            return Err(EngineError::Backend(format!(
+                "GPU: {p}: gate and up differ in type or shape"
+            )));
+        }
+        Ok(Mlp {
+            gate_up,
+            down: self.packed(&[format!("{p}.down_proj.weight")])?,
+        })
+    }
+
+    /// All experts of layer `l` in one buffer, each blob verified against its checksum.
+    fn experts(&self, l: usize) -> Result<ExpertStack, EngineError> {
+        let cfg = &self.vault.header.config;
+        let sec = self
+            .vault
+            .expert_section()
+            .ok_or_else(|| EngineError::Backend("GPU: the vault has no expert section".into()))?;
+        let part = |name: &str| -> Result<&ExpertPart, EngineError> {
+            sec.parts
+                .iter()
+                .find(|p| p.name == name)
+                .ok_or_else(|| EngineError::Backend(format!("GPU: expert layout lacks {name}")))
+        };
+        let at = |p: &ExpertPart| MatAt {
+            offset: p.offset,
+            dtype: p.dtype,
+            rows: p.shape[0],
+            cols: p.shape[1],
+        };
+        let (gate, up, down) = (part("gate_proj")?, part("up_proj")?, part("down_proj")?);
+        if up.offset <= gate.offset || up.dtype != gate.dtype || up.shape != gate.shape {
+            return Err(EngineError::Backend(
+                "GPU: expert up_proj must follow gate_proj with the same type and shape".into(),
+            ));
+        }
+        let n = cfg.num_experts;
+        let buf = self.buffer(&format!("layer {l} experts"), n as u64 * sec.blob_stride)?;
+        for e in 0..n {
+            let blob = self.vault.expert_entry(l, e)?;
+            let bytes = self.vault.expert_bytes_mapped(blob);
+            self.vault.verify_expert(blob, bytes)?;
+            self.ctx
+                .queue
+                .write_buffer(&buf, e as u64 * sec.blob_stride, bytes);
+        }
+        Ok(ExpertStack {
+            buf,
+            gate: at(gate),
+            up_offset: up.offset - gate.offset,
+            down: at(down),
+            stride: sec.blob_stride,
+            n,
+        })
+    }
+
+    fn layer(&self, cfg: &ModelConfig, l: usize) -> Result<LayerW, EngineError> {
+        let p = format!("model.layers.{l}");
+        let a = format!("{p}.self_attn");
+        let proj = |x: &str| format!("{a}.{x}_proj.weight");
+        let ffn = match cfg.ffn[l] {
+            FfnKind::Dense => FfnW::Dense(self.mlp(&format!("{p}.mlp"))?),
+            FfnKind::Moe => FfnW::Moe {
+                router: self.packed(&[format!("{p}.mlp.gate.weight")])?,
+                experts: self.experts(l)?,
+                shared: if cfg.shared_expert_intermediate_size > 0 {
+                    Some((
+                        self.mlp(&format!("{p}.mlp.shared_expert"))?,
+                        self.packed(&[format!("{p}.mlp.shared_expert_gate.weight")])?,
+                    ))
+                } else {
+                    None
+                },
+            },
+        };
+        let bias = if cfg.qkv_bias {
+            let mut b = vec![];
+            for x in ["q", "k", "v"] {
+                b.extend(self.tensor(&format!("{a}.{x}_proj.bias"))?.to_f32());
+            }
+            Some(self.ctx.upload_f32("qkv bias", &b))
+        } else {
+            None
+        };
+        let qk_norm = match cfg.qk_norm {
+            smoe_vault::config::QkNorm::None => None,
+            _ => Some((
+                self.vector(&format!("{a}.q_norm.weight"))?,
+                self.vector(&format!("{a}.k_norm.weight"))?,
+            )),
+        };
+        Ok(LayerW {
+            input_norm: self.vector(&format!("{p}.input_layernorm.weight"))?.0,
+            post_norm: self
+                .vector(&format!("{p}.post_attention_layernorm.weight"))?
+                .0,
+            qkv: self.packed(&[proj("q"), proj("k"), proj("v")])?,
+            o: self.packed(&[proj("o")])?,
+            bias,
+            qk_norm,
+            ffn,
+        })
+    }
+}
+
+impl Weights {
+    pub fn upload(ctx: &GpuContext, vault: &Vault, rope: &RopeTable) -> Result<Self, EngineError> {
+        let cfg = &vault.header.config;
+        let ld = Loader { ctx, vault };
+        let mut layers = vec![];
+        for l in 0..cfg.num_layers {
+            layers.push(ld.layer(cfg, l)?);
+            // wgpu stages written bytes in host memory until a submission: flush per layer so
+            // that staging never holds more than one layer of a large model.
+            ctx.submit_wait(ctx.encoder());
+        }
+        let head = if cfg.tie_word_embeddings {
+            "model.embed_tokens.weight"
+        } else {
+            "lm_head.weight"
+        };
+        let w = Weights {
+            layers,
+            norm: ld.vector("model.norm.weight")?.0,
+            lm_head: ld.packed(&[head.to_string()])?,
+            inv_freq: ctx.upload_f32("rope inv_freq", rope.inv_freq()),
+        };
+        // Finish the queued uploads here, so that load time includes them, not the first token.
+        ctx.submit_wait(ctx.encoder());
+        Ok(w)
+    }
+}

@@ -1,0 +1,210 @@
+//! `--backend gpu` against transformers and against `--backend cpu`, on every fixture.
+//!
+//! bf16: the CPU's tolerances (|Δ log-prob| ≤ 0.02, the same argmax wherever transformers' top-2
+//! margin exceeds 0.05), and the GPU's greedy tokens equal the CPU's for 32 steps up to the first
+//! step whose reference margin is below 0.05. q4: GPU log-probs against the CPU's on the same q4
+//! vault (same weights, so only the order of float additions differs).
+//!
+//! With no GPU adapter every test prints `skipped: no GPU adapter` and passes, unless
+//! `SMOE_REQUIRE_GPU=1` (set by `.ci/run`), which turns that into a failure.
+
+use smoe_engine::engine::{Backend, EngineOptions, GenerateOptions};
+use smoe_engine::sampler::SamplerConfig;
+use smoe_engine::{Engine, Logits};
+use smoe_vault::import::{convert_to_path, ConvertOptions};
+use smoe_vault::DType;
+use std::path::PathBuf;
+
+const MARGIN: f64 = 0.05;
+
+/// Whether this machine has a usable GPU; says so on stderr when it has none.
+fn have_gpu() -> bool {
+    match smoe_engine::gpu::context() {
+        Ok(_) => true,
+        Err(e) => {
+            if std::env::var("SMOE_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                panic!("SMOE_REQUIRE_GPU=1 but the GPU is unusable: {e}");
+            }
+            // Straight to stderr: libtest would swallow eprint! of a passing test.
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "skipped: no GPU adapter ({e})");
+            false
+        }
+    }
+}
+
+/// A fixture converted to a vault, removed when dropped.
+struct TempVault(PathBuf);
+
+impl TempVault {
+    fn new(name: &str, quant: DType) -> Self {
+        let ck = smoe_fixtures::checkpoint(name).expect("fixture checkpoint");
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let out = std::env::temp_dir().join(format!(
+            "smoe-gpu-parity-{}-{n}-{name}-{quant}.smoe",
+            std::process::id()
+        ));
+        let opts = ConvertOptions {
+            experts: quant,
+            scout: DType::Bf16,
+        };
+        convert_to_path(&ck, &out, opts, &mut |_: u64, _: &str| {}).expect("convert");
+        TempVault(out)
+    }
+
+    fn open(&self, backend: Backend) -> Engine {
+        let opts = EngineOptions {
+            backend,
+            prefill_chunk: 64,
+            ..Default::default()
+        };
+        let e = Engine::open(&self.0, opts).expect("open");
+        let want = if backend == Backend::Gpu {
+            "gpu"
+        } else {
+            "cpu"
+        };
+        assert_eq!(e.model.backend(), want);
+        e
+    }
+}
+
+impl Drop for TempVault {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn greedy(engine: &Engine, prompt: &[u32], steps: usize) -> Vec<u32> {
+    let mut s = engine.session(prompt.len() + steps);
+    let opts = GenerateOptions {
+        max_tokens: steps,
+        sampler: SamplerConfig::greedy(),
+        stop_ids: vec![],
+        stop_strings: vec![],
+    };
+    s.generate(prompt, &opts, &mut |_| {})
+        .expect("generate")
+        .tokens
+}
+
+#[test]
+fn bf16_gpu_matches_transformers_and_cpu_greedy() {
+    if !have_gpu() {
+        return;
+    }
+    for name in smoe_fixtures::names() {
+        let v = TempVault::new(&name, DType::Bf16);
+        let (gpu, cpu) = (v.open(Backend::Gpu), v.open(Backend::Cpu));
+        let reference = smoe_fixtures::reference(&name);
+        let (mut max_abs, mut agree, mut firm_total) = (0f64, 0, 0);
+        for p in &reference.prompts {
+            let r = gpu.logprobs(&p.prompt).expect("logprobs");
+            assert_eq!(r.logprobs.len(), p.logprobs.len());
+            for (a, b) in r.logprobs.iter().zip(&p.logprobs) {
+                max_abs = max_abs.max((*a as f64 - b).abs());
+            }
+            for (i, (a, b)) in r.argmax.iter().zip(&p.argmax).enumerate() {
+                if p.margin[i] > MARGIN {
+                    firm_total += 1;
+                    agree += (a == b) as usize;
+                }
+            }
+            // Greedy: equal to the CPU's (and the reference's) up to the first fragile step.
+            let g = &p.greedy;
+            let steps = g.tokens.len().min(32);
+            let firm = g.margins[..steps]
+                .iter()
+                .position(|m| *m < MARGIN)
+                .unwrap_or(steps);
+            let (tg, tc) = (
+                greedy(&gpu, &p.prompt, steps),
+                greedy(&cpu, &p.prompt, steps),
+            );
+            assert_eq!(
+                &tg[..firm],
+                &tc[..firm],
+                "{name}: GPU and CPU greedy differ"
+            );
+            assert_eq!(
+                &tg[..firm],
+                &g.tokens[..firm],
+                "{name}: GPU greedy vs reference"
+            );
+            let same = tg.iter().zip(&tc).take_while(|(a, b)| a == b).count();
+            eprintln!(
+                "{name} prompt {} ({} tokens): greedy GPU = CPU for {same}/{steps} steps ({firm} firm)",
+                p.seed,
+                p.prompt.len()
+            );
+        }
+        eprintln!("{name} bf16 GPU: max |Δlogprob| {max_abs:.5}, argmax {agree}/{firm_total}");
+        assert!(
+            max_abs <= 0.02,
+            "{name}: GPU max |Δ log-prob| {max_abs} > 0.02"
+        );
+        assert_eq!(
+            agree, firm_total,
+            "{name}: GPU argmax differs at a firm position"
+        );
+    }
+}
+
+#[test]
+fn q4_gpu_log_probs_match_q4_cpu() {
+    if !have_gpu() {
+        return;
+    }
+    let mut worst = 0f64;
+    for name in smoe_fixtures::names() {
+        let v = TempVault::new(&name, DType::Q4);
+        let (gpu, cpu) = (v.open(Backend::Gpu), v.open(Backend::Cpu));
+        let mut max_abs = 0f64;
+        for p in &smoe_fixtures::reference(&name).prompts {
+            let (rg, rc) = (
+                gpu.logprobs(&p.prompt).unwrap(),
+                cpu.logprobs(&p.prompt).unwrap(),
+            );
+            for (a, b) in rg.logprobs.iter().zip(&rc.logprobs) {
+                max_abs = max_abs.max((a - b).abs() as f64);
+            }
+        }
+        eprintln!("{name} q4: GPU vs CPU max |Δlogprob| {max_abs:.2e}");
+        worst = worst.max(max_abs);
+    }
+    eprintln!("q4 GPU vs CPU, all fixtures: max |Δlogprob| {worst:.2e}");
+    assert!(worst <= 0.02, "q4 GPU vs CPU: max |Δ log-prob| {worst}");
+}
+
+/// The sampling path: the last row's logits read back at every decode step, against the CPU's.
+#[test]
+fn decode_logits_match_cpu() {
+    if !have_gpu() {
+        return;
+    }
+    let name = &smoe_fixtures::names()[0];
+    let v = TempVault::new(name, DType::Q8);
+    let (gpu, cpu) = (v.open(Backend::Gpu), v.open(Backend::Cpu));
+    let prompt = &smoe_fixtures::reference(name).prompts[0].prompt;
+    let (mut sg, mut sc) = (gpu.session(prompt.len() + 8), cpu.session(prompt.len() + 8));
+    let (mut lg, mut lc) = (
+        sg.feed(prompt, Logits::Last).unwrap(),
+        sc.feed(prompt, Logits::Last).unwrap(),
+    );
+    for step in 0..8 {
+        assert_eq!(lg.len(), lc.len());
+        let scale = lc.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let dev = lg
+            .iter()
+            .zip(&lc)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            dev <= 1e-3 * scale.max(1.0),
+            "{name} step {step}: logits differ by {dev}"
+        );
+        let id = smoe_engine::sampler::argmax(&lc);
+        lg = sg.feed(&[id], Logits::Last).unwrap();
+        lc = sc.feed(&[id], Logits::Last).unwrap();
+    }
+}
