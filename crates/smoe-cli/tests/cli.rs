@@ -396,3 +396,88 @@ fn demo_model_heldout_perplexity_holds() {
     );
     assert!(ppl > 1.0 && v["tokens"].as_u64().unwrap() > 9000);
 }
+
+/// The benchmark tools end to end on a small synthetic vault: synth → inspect --verify →
+/// bench decode with a streamed cache → profile heatmap; and the synthetic vault can be served
+/// (it borrows the demo tokenizer).
+#[test]
+fn synth_bench_and_profile() {
+    let d = tmp("synth");
+    let v = d.join("s.smoe");
+    let vs = v.to_str().unwrap();
+    let out = smoe(&["synth", "--preset", "tiny", "--router-skew", "1", "-o", vs]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(smoe(&["inspect", vs, "--verify"]).status.success());
+    let out = smoe(&[
+        "bench",
+        "decode",
+        "-m",
+        vs,
+        "--tg",
+        "8",
+        "--pp",
+        "8",
+        "--reps",
+        "1",
+        "--expert-cache",
+        "25%",
+        "--backend",
+        "cpu",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(r["decode_tok_per_s"]["median"].as_f64().unwrap() > 0.0);
+    assert!(
+        r["hit_rate"].as_f64().is_some() && r["io_bound_tok_per_s"].is_number(),
+        "{r}"
+    );
+    assert!(r["bytes_touched_per_token"].as_u64().unwrap() > 0);
+    // The bench saved a usage profile beside the vault; render it.
+    let out = smoe(&["profile", vs]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let png = std::fs::read(d.join("s.smoe.profile.png")).unwrap();
+    assert_eq!(&png[..4], b"\x89PNG");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("hottest"));
+    let g = smoe(&[
+        "generate",
+        "-m",
+        vs,
+        "--prompt",
+        "hello",
+        "-n",
+        "3",
+        "--backend",
+        "cpu",
+        "--json",
+    ]);
+    assert!(g.status.success(), "{}", String::from_utf8_lossy(&g.stderr));
+    assert_one_line_error(
+        &smoe(&["synth", "--preset", "nope", "-o", vs]),
+        "unknown preset",
+    );
+    assert_one_line_error(
+        &smoe(&[
+            "generate",
+            "-m",
+            vs,
+            "--prompt-ids",
+            "1",
+            "--expert-cache",
+            "lots",
+        ]),
+        "--expert-cache",
+    );
+}

@@ -22,7 +22,7 @@ pub fn preset(name: &str) -> Option<ModelConfig> {
         "qwen3-30b-a3b" => (48, 2048, 32, 4, 128, 128, 8, 768, 151936),
         "qwen3-235b-a22b" => (94, 4096, 64, 4, 128, 128, 8, 1536, 151936),
         // Small enough for tests and quick trials, same structure.
-        "tiny" => (4, 256, 4, 2, 64, 16, 4, 128, 1024),
+        "tiny" => (4, 256, 4, 2, 64, 16, 4, 128, 8192),
         _ => return None,
     };
     Some(ModelConfig {
@@ -128,9 +128,13 @@ pub struct SynthOptions {
 }
 
 /// Writes a random vault of shape `cfg`; `progress(bytes)` after each tensor or blob.
+/// `text` and `generation` give the vault a tokenizer and chat template (e.g. another vault's),
+/// so the server and chat can drive it; ids beyond that tokenizer simply have no text.
 pub fn synth<W: Write + Seek>(
     cfg: &ModelConfig,
     opts: SynthOptions,
+    text: TextInfo,
+    generation: GenerationDefaults,
     mut w: VaultWriter<W>,
     progress: &mut dyn FnMut(u64),
 ) -> Result<(u64, W)> {
@@ -299,8 +303,8 @@ pub fn synth<W: Write + Seek>(
     let header = Header {
         config: cfg.clone(),
         hf_config: serde_json::json!({"synthetic": true, "router_skew": opts.router_skew, "seed": opts.seed}),
-        text: TextInfo::default(),
-        generation: GenerationDefaults::default(),
+        text,
+        generation,
         quant: QuantInfo {
             experts: opts.experts,
             scout: opts.scout,

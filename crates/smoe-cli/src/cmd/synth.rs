@@ -23,6 +23,10 @@ pub struct Args {
     router_skew: f32,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Take the tokenizer, chat template and end-of-sequence ids from this vault (default: the
+    /// built-in demo model), so `serve` and `chat` can drive the synthetic model.
+    #[arg(long, value_name = "VAULT")]
+    tokenizer_from: Option<PathBuf>,
     #[arg(short, long, value_name = "OUT.smoe")]
     output: PathBuf,
     /// Replace OUT if it exists.
@@ -50,6 +54,10 @@ pub fn run(a: Args) -> Result<()> {
         router_skew: a.router_skew,
         seed: a.seed,
     };
+    let source = crate::common::model_path(a.tokenizer_from.as_deref())?;
+    let donor = smoe_vault::Vault::open(&source)
+        .with_context(|| format!("--tokenizer-from {}", source.display()))?;
+    let (text, generation) = (donor.header.text.clone(), donor.header.generation.clone());
     let total = estimate_bytes(&cfg, opts);
     eprintln!(
         "{}: {} layers × {} experts, about {}",
@@ -65,7 +73,9 @@ pub fn run(a: Args) -> Result<()> {
     let start = std::time::Instant::now();
     let result = (|| -> Result<u64> {
         let w = VaultWriter::create(&tmp)?;
-        let (len, buf) = synth(&cfg, opts, w, &mut |n| pb.inc(n))?;
+        let (len, buf) = synth(&cfg, opts, text.clone(), generation.clone(), w, &mut |n| {
+            pb.inc(n)
+        })?;
         let f = buf
             .into_inner()
             .map_err(|e| e.into_error())
