@@ -176,7 +176,14 @@ fn decode(a: DecodeArgs) -> Result<()> {
     let experts = engine.model.experts();
     eprintln!("measuring disk and memory bandwidth…");
     let disk = disk_gbps(&engine);
-    let copy = copy_gbps();
+    // The bound uses the memory the weights are read from: the GPU's for --backend gpu.
+    let on_gpu = engine.model.backend() == "gpu";
+    let copy = if on_gpu {
+        let ctx = smoe_compute::gpu::GpuContext::new().map_err(|e| anyhow::anyhow!("GPU copy bandwidth: {e}"))?;
+        smoe_compute::gpu::bench::copy_gbps(&ctx, 100)?
+    } else {
+        copy_gbps()
+    };
     // Decode steps are fed a fixed pseudo-random token stream (each step still runs the LM head
     // and an argmax): a random-weight model's own output collapses onto one token, which routes
     // every step to the same experts and would flatter any cache.
@@ -227,6 +234,7 @@ fn decode(a: DecodeArgs) -> Result<()> {
         "prefill_tok_per_s": pp.map(|(m, lo, hi)| serde_json::json!({"median": m, "min": lo, "max": hi})),
         "bytes_touched_per_token": touched,
         "memory_copy_gb_per_s": copy,
+        "backend": engine.model.backend(),
         "bandwidth_bound_tok_per_s": bw_bound,
         "decode_over_bandwidth_bound": tg / bw_bound,
         "disk_direct_read_gb_per_s": disk,

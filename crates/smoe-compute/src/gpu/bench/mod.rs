@@ -223,6 +223,11 @@ struct CopyParams {
 }
 
 /// GB/s (read + written) of the copy kernel over a buffer far larger than any cache.
+/// GB/s (read + write) of the plain copy kernel on this device: the reference for ratios.
+pub fn copy_gbps(ctx: &GpuContext, iters: usize) -> Result<f64, GpuError> {
+    bench_copy(ctx, &Timer::new(ctx), iters)
+}
+
 fn bench_copy(ctx: &GpuContext, timer: &Timer, iters: usize) -> Result<f64, GpuError> {
     let max = ctx.limits().max_storage_buffer_binding_size;
     let bytes = (ROTATE_BYTES).min(max / 16 * 16);
