@@ -89,3 +89,28 @@ fn info_names_the_adapter() {
         assert!(text.contains("no GPU adapter"), "{text}");
     }
 }
+
+/// `smoe bench kernels --json`: one row per (shape, type) with GB/s and the ratio to the copy
+/// kernel measured in the same run.
+#[test]
+fn bench_kernels_reports_ratios_to_copy() {
+    if !have_gpu() {
+        return;
+    }
+    let v = json(&smoe(&[
+        "bench", "kernels", "--quick", "--iters", "2", "--json",
+    ]));
+    assert!(v["copy_gb_per_s"].as_f64().unwrap() > 0.0, "{v}");
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 8, "2 shapes × 4 types: {v}");
+    for r in rows {
+        let (gbps, ratio) = (
+            r["gb_per_s"].as_f64().unwrap(),
+            r["ratio_to_copy"].as_f64().unwrap(),
+        );
+        assert!(
+            gbps > 0.0 && (ratio - gbps / v["copy_gb_per_s"].as_f64().unwrap()).abs() < 0.5,
+            "{r}"
+        );
+    }
+}

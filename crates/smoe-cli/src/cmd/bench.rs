@@ -46,6 +46,9 @@ pub struct KernelArgs {
     /// Calls per timing.
     #[arg(long, default_value_t = 100)]
     iters: usize,
+    /// Print one JSON object: device, copy GB/s and a row per (shape, type).
+    #[arg(long)]
+    json: bool,
 }
 
 pub fn run(b: Bench) -> Result<()> {
@@ -60,7 +63,9 @@ fn kernels(a: KernelArgs) -> Result<()> {
     use smoe_compute::gpu::{GpuContext, MatVecTuning};
     use smoe_vault::DType;
     let ctx = GpuContext::new().map_err(|e| anyhow::anyhow!("bench kernels needs a GPU: {e}"))?;
-    println!("{}\n", ctx.info());
+    if !a.json {
+        println!("{}\n", ctx.info());
+    }
     let shapes = if a.quick {
         vec![
             BenchShape::dense("small", 512, 1024),
@@ -69,6 +74,8 @@ fn kernels(a: KernelArgs) -> Result<()> {
     } else {
         qwen3_shapes()
     };
+    let (mut rows, mut errors, mut copy, mut device) = (vec![], vec![], 0f64, String::new());
+    // One shape at a time, so partial results show even if a later shape fails.
     for shape in &shapes {
         let dtypes = [DType::Bf16, DType::Q8, DType::Q4, DType::Q2];
         let report = bench_kernels(
@@ -78,7 +85,22 @@ fn kernels(a: KernelArgs) -> Result<()> {
             &[MatVecTuning::default()],
             a.iters,
         )?;
-        println!("{report}");
+        if !a.json {
+            println!("{report}");
+        }
+        copy = copy.max(report.copy_gbps);
+        device = report.device.clone();
+        errors.extend(report.errors.iter().cloned());
+        rows.extend(report.rows.iter().map(|r| {
+            serde_json::json!({"shape": r.shape, "dtype": r.dtype.name(), "bytes": r.bytes, "micros": r.micros,
+                               "gb_per_s": r.gbps, "ratio_to_copy": r.ratio})
+        }));
+    }
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({"device": device, "copy_gb_per_s": copy, "rows": rows, "errors": errors})
+        );
     }
     Ok(())
 }
@@ -179,7 +201,8 @@ fn decode(a: DecodeArgs) -> Result<()> {
     // The bound uses the memory the weights are read from: the GPU's for --backend gpu.
     let on_gpu = engine.model.backend() == "gpu";
     let copy = if on_gpu {
-        let ctx = smoe_compute::gpu::GpuContext::new().map_err(|e| anyhow::anyhow!("GPU copy bandwidth: {e}"))?;
+        let ctx = smoe_compute::gpu::GpuContext::new()
+            .map_err(|e| anyhow::anyhow!("GPU copy bandwidth: {e}"))?;
         smoe_compute::gpu::bench::copy_gbps(&ctx, 100)?
     } else {
         copy_gbps()
