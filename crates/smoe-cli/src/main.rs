@@ -2,6 +2,7 @@
 
 mod cmd;
 mod common;
+mod sampling_args;
 mod store_args;
 
 use clap::{Parser, Subcommand};

@@ -25,20 +25,8 @@ pub struct Args {
     /// Longest answer, in tokens (default: what the context leaves).
     #[arg(short = 'n', long = "max-tokens")]
     max_tokens: Option<usize>,
-    /// Sampling temperature; 0 = greedy. Default: the model's generation_config.
-    #[arg(long)]
-    temperature: Option<f32>,
-    #[arg(long)]
-    top_k: Option<usize>,
-    #[arg(long)]
-    top_p: Option<f32>,
-    #[arg(long)]
-    min_p: Option<f32>,
-    #[arg(long)]
-    repetition_penalty: Option<f32>,
-    /// Random seed for every answer (default: a new one each time).
-    #[arg(long)]
-    seed: Option<u64>,
+    #[command(flatten)]
+    sampling: crate::sampling_args::SamplingArgs,
     /// Context length for the whole conversation; the oldest turns are dropped to fit.
     #[arg(long, default_value_t = 4096)]
     ctx: usize,
@@ -70,7 +58,7 @@ pub fn run(a: Args) -> Result<()> {
     let tok = engine.tokenizer()?.clone();
     let (template, _) = smoe_server::take_template(&mut engine)?;
     let eos = engine.generation.eos_token_ids.clone();
-    let sampler = sampler_config(engine.default_sampler(), &a);
+    let sampler = a.sampling.apply(engine.default_sampler());
     sampler.validate()?;
     let ctx = a.ctx.min(engine.model.config().max_position_embeddings);
     let sched = Scheduler::start(
@@ -196,12 +184,7 @@ impl Chat {
         };
         let room = self.sched.ctx - prompt.len();
         let mut sampler = self.sampler.clone();
-        sampler.seed = self.args.seed.unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos() as u64)
-                .unwrap_or(0)
-        });
+        sampler.seed = self.args.sampling.seed();
         let req = GenRequest {
             max_tokens: self.args.max_tokens.unwrap_or(room).min(room),
             prompt,
@@ -247,23 +230,4 @@ impl Chat {
         self.history.push(ChatMessage::new("assistant", text));
         Ok(())
     }
-}
-
-fn sampler_config(mut s: SamplerConfig, a: &Args) -> SamplerConfig {
-    if let Some(t) = a.temperature {
-        s.temperature = t;
-    }
-    if let Some(k) = a.top_k {
-        s.top_k = k;
-    }
-    if let Some(p) = a.top_p {
-        s.top_p = p;
-    }
-    if let Some(p) = a.min_p {
-        s.min_p = p;
-    }
-    if let Some(r) = a.repetition_penalty {
-        s.repetition_penalty = r;
-    }
-    s
 }

@@ -28,20 +28,8 @@ pub struct Args {
     /// Maximum number of tokens to generate.
     #[arg(short = 'n', long = "max-tokens", default_value_t = 128)]
     max_tokens: usize,
-    /// Sampling temperature; 0 = greedy. Default: the model's generation_config.
-    #[arg(long)]
-    temperature: Option<f32>,
-    #[arg(long)]
-    top_k: Option<usize>,
-    #[arg(long)]
-    top_p: Option<f32>,
-    #[arg(long)]
-    min_p: Option<f32>,
-    #[arg(long)]
-    repetition_penalty: Option<f32>,
-    /// Random seed for sampling (default: from the clock; printed with --json).
-    #[arg(long)]
-    seed: Option<u64>,
+    #[command(flatten)]
+    sampling: crate::sampling_args::SamplingArgs,
     /// Stop when this text appears (repeatable); the stop text is not printed.
     #[arg(long)]
     stop: Vec<String>,
@@ -86,28 +74,8 @@ pub fn run(a: Args) -> Result<()> {
     if prompt.is_empty() {
         bail!("the prompt encodes to no tokens");
     }
-    let mut sampler = engine.default_sampler();
-    if let Some(t) = a.temperature {
-        sampler.temperature = t;
-    }
-    if let Some(k) = a.top_k {
-        sampler.top_k = k;
-    }
-    if let Some(p) = a.top_p {
-        sampler.top_p = p;
-    }
-    if let Some(p) = a.min_p {
-        sampler.min_p = p;
-    }
-    if let Some(r) = a.repetition_penalty {
-        sampler.repetition_penalty = r;
-    }
-    sampler.seed = a.seed.unwrap_or_else(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0)
-    });
+    let mut sampler = a.sampling.apply(engine.default_sampler());
+    sampler.seed = a.sampling.seed();
     let opts = GenerateOptions {
         max_tokens: a.max_tokens,
         sampler: sampler.clone(),
