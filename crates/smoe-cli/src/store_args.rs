@@ -5,7 +5,7 @@ use smoe_engine::store::{available_memory, CacheBudget, StoreOptions, StoreStats
 use smoe_engine::Engine;
 use std::path::Path;
 
-#[derive(clap::Args, Clone, Debug, Default)]
+#[derive(clap::Args, Clone, Debug)]
 pub struct StoreArgs {
     /// Memory for routed experts: a size (8GiB, 512MiB), a share of the experts (25%), `auto`
     /// (available memory minus a margin) or `resident` (memory-map all). Default: resident when
@@ -18,6 +18,20 @@ pub struct StoreArgs {
     /// Print expert-store statistics (hits, misses, bytes read, waits) after the run.
     #[arg(long)]
     pub stats: bool,
+    /// Threads reading expert blobs in parallel (more keeps a fast NVMe busier).
+    #[arg(long, default_value_t = 8, value_name = "N")]
+    pub read_threads: usize,
+}
+
+impl Default for StoreArgs {
+    fn default() -> Self {
+        StoreArgs {
+            expert_cache: None,
+            no_profile: false,
+            stats: false,
+            read_threads: 8,
+        }
+    }
 }
 
 impl StoreArgs {
@@ -29,9 +43,13 @@ impl StoreArgs {
                 .context("--expert-cache")?,
             None => default_budget(vault),
         };
+        if self.read_threads == 0 {
+            anyhow::bail!("--read-threads must be at least 1");
+        }
         Ok(StoreOptions {
             budget,
             profile: !self.no_profile,
+            read_threads: self.read_threads,
             ..StoreOptions::default()
         })
     }
