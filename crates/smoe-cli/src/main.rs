@@ -42,8 +42,6 @@ enum Command {
     Serve(cmd::serve::Args),
     /// Chat with the model in the terminal.
     Chat(cmd::chat::Args),
-    /// Benchmark the server: total tok/s and latency at several numbers of concurrent clients.
-    BenchServe(cmd::bench_serve::Args),
     /// Write a full-size vault with random weights and a real model's shapes (for benchmarks).
     Synth(cmd::synth::Args),
     /// Benchmarks: decode/prefill against the I/O and bandwidth bounds, GPU kernel GB/s.
@@ -91,7 +89,6 @@ fn main() {
         Command::Profile(a) => cmd::profile::run(a),
         Command::Serve(a) => cmd::serve::run(a),
         Command::Chat(a) => cmd::chat::run(a),
-        Command::BenchServe(a) => cmd::bench_serve::run(a),
     };
     if let Err(e) = result {
         // One line: the error and its causes, joined.

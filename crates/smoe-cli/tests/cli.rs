@@ -481,3 +481,32 @@ fn synth_bench_and_profile() {
         "--expert-cache",
     );
 }
+
+/// `smoe bench serve` drives a real server at each client count and reports the ratio.
+#[test]
+fn bench_serve_reports_each_client_count() {
+    let out = smoe(&[
+        "bench",
+        "serve",
+        "--clients",
+        "1,3",
+        "-n",
+        "4",
+        "--requests",
+        "1",
+        "--backend",
+        "cpu",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2);
+    assert_eq!(runs[1]["clients"], 3);
+    assert_eq!(runs[1]["tokens"], 12, "every client got its 4 tokens: {v}");
+    assert!(v["ratio_last_to_first"].as_f64().unwrap() > 0.0);
+}

@@ -14,6 +14,8 @@ pub enum Bench {
     Decode(DecodeArgs),
     /// GB/s of each GPU matvec kernel at Qwen3-MoE shapes beside a copy kernel's GB/s.
     Kernels(KernelArgs),
+    /// The server under load: total tok/s and p50/p99 latency at several numbers of clients.
+    Serve(crate::cmd::bench_serve::Args),
 }
 
 #[derive(clap::Args)]
@@ -55,6 +57,7 @@ pub fn run(b: Bench) -> Result<()> {
     match b {
         Bench::Decode(a) => decode(a),
         Bench::Kernels(a) => kernels(a),
+        Bench::Serve(a) => crate::cmd::bench_serve::run(a),
     }
 }
 

@@ -1,4 +1,4 @@
-//! `smoe bench-serve`: total tokens per second and request latency at several numbers of
+//! `smoe bench serve`: total tokens per second and request latency at several numbers of
 //! concurrent clients, through the real HTTP server (started in this process on a free port).
 //! Continuous batching should make many clients faster in total than one.
 
