@@ -76,6 +76,20 @@ impl ExpertStore {
         Ok(Expert::from_blob(&self.parts, bytes))
     }
 
+    /// One expert's blob bytes (mapped), verified on first use.
+    pub fn blob_bytes(&self, layer: usize, expert: usize) -> Result<&[u8], VaultError> {
+        let i = self.index[layer * self.n_experts + expert].ok_or_else(|| {
+            VaultError::Tensor(format!("no expert blob for layer {layer} expert {expert}"))
+        })?;
+        let blob = &self.vault.expert_section().unwrap().blobs[i];
+        let bytes = self.vault.expert_bytes_mapped(blob);
+        if !self.verified[i].load(Ordering::Relaxed) {
+            self.vault.verify_expert(blob, bytes)?;
+            self.verified[i].store(true, Ordering::Relaxed);
+        }
+        Ok(bytes)
+    }
+
     /// The index of (layer, expert) in the vault's blob list.
     pub fn blob_index(&self, layer: usize, expert: usize) -> Option<usize> {
         self.index[layer * self.n_experts + expert]

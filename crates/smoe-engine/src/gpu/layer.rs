@@ -77,6 +77,9 @@ pub(crate) fn rope_inputs<'a>(w: &'a LayerW, a: &'a Acts, c: &ModelConfig, n: us
 pub(crate) struct LayerOps {
     pub pre: Vec<Op>,
     pub post: Vec<Op>,
+    /// MoE layers: where in `post` the expert dispatches begin (after the router), so that a
+    /// streaming pass can stop there, read the ids and fill the expert slots.
+    pub experts_at: Option<usize>,
 }
 
 struct B<'a> {
@@ -198,6 +201,7 @@ impl LayerOps {
             b.add_to_x(tmp, ones, 1)?,
             b.norm(x, BufRef::new(&w.post_norm), hn, d.h, n, eps)?,
         ];
+        let mut experts_at = None;
         match &w.ffn {
             FfnW::Dense(m) => {
                 b.mlp(m, &mut post)?;
@@ -217,13 +221,14 @@ impl LayerOps {
                 post.push(b.mv(router.w(0), None, hn, rlog, None)?);
                 let route = Router::new(ctx, rlog, ids, rw, e.n, k, n, c.norm_topk_prob);
                 post.push(Op::Route(route.map_err(gpu_err)?));
+                experts_at = Some(post.len());
                 // Slot t·k + s is token t's s-th expert: gate_up reads token t's input (k slots
                 // share it), down reads its slot's gate_up output.
                 let grouped = |slots_per_x| Grouped {
                     ids: &a.ids,
                     ids_offset: 0,
                     n_slots: n * k,
-                    n_mats: e.n,
+                    n_mats: e.slots,
                     mat_stride: e.stride,
                     x_per_slot: true,
                     slots_per_x,
@@ -247,6 +252,10 @@ impl LayerOps {
                 }
             }
         }
-        Ok(LayerOps { pre, post })
+        Ok(LayerOps {
+            pre,
+            post,
+            experts_at,
+        })
     }
 }

@@ -3,7 +3,8 @@
 //! loop only writes a few bytes, records prepared dispatches and submits once.
 //!
 //! - `weights`: the model uploaded once (scout tensors in their vault bytes, each MoE layer's
-//!   expert blobs in one buffer at the vault's blob stride).
+//!   expert blobs in one buffer at the vault's blob stride; when streaming, a few empty blob
+//!   slots that the decoder fills on demand).
 //! - `acts`: activation buffers sized for the largest token batch (`T_MAX`).
 //! - `layer`: one layer's dispatches for a batch of n tokens, except those bound to a KV cache.
 //! - `kv`: a sequence's KV cache and the attention dispatches bound to it.

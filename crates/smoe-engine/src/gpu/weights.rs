@@ -78,7 +78,11 @@ pub(crate) struct ExpertStack {
     pub up_offset: u64,
     pub down: MatAt,
     pub stride: u64,
+    /// Experts of the layer (the router's width).
     pub n: usize,
+    /// Blob slots in `buf`: `n` when resident (slot = expert); fewer when streaming, where the
+    /// decoder's slot table maps experts to slots and fills them on demand.
+    pub slots: usize,
 }
 
 pub(crate) enum FfnW {
@@ -114,6 +118,8 @@ pub(crate) struct Weights {
 struct Loader<'a> {
     ctx: &'a GpuContext,
     vault: &'a Vault,
+    /// Streaming: expert slots per MoE layer (left empty at load).
+    slots: Option<usize>,
 }
 
 impl Loader<'_> {
@@ -188,7 +194,8 @@ impl Loader<'_> {
         })
     }
 
-    /// All experts of layer `l` in one buffer, each blob verified against its checksum.
+    /// All experts of layer `l` in one buffer, each blob verified against its checksum; or, when
+    /// streaming, an empty buffer of `slots` blob slots.
     fn experts(&self, l: usize) -> Result<ExpertStack, EngineError> {
         let cfg = &self.vault.header.config;
         let sec = self
@@ -214,8 +221,12 @@ impl Loader<'_> {
             ));
         }
         let n = cfg.num_experts;
-        let buf = self.buffer(&format!("layer {l} experts"), n as u64 * sec.blob_stride)?;
-        for e in 0..n {
+        let slots = self.slots.map_or(n, |s| s.clamp(1, n));
+        let buf = self.buffer(
+            &format!("layer {l} experts"),
+            slots as u64 * sec.blob_stride,
+        )?;
+        for e in (0..n).filter(|_| self.slots.is_none()) {
             let blob = self.vault.expert_entry(l, e)?;
             let bytes = self.vault.expert_bytes_mapped(blob);
             self.vault.verify_expert(blob, bytes)?;
@@ -230,6 +241,7 @@ impl Loader<'_> {
             down: at(down),
             stride: sec.blob_stride,
             n,
+            slots,
         })
     }
 
@@ -283,9 +295,28 @@ impl Loader<'_> {
 }
 
 impl Weights {
-    pub fn upload(ctx: &GpuContext, vault: &Vault, rope: &RopeTable) -> Result<Self, EngineError> {
+    /// Layer `l`'s expert slot buffer and the blob stride (MoE layers only).
+    pub fn expert_slots(&self, l: usize) -> Option<(&wgpu::Buffer, u64)> {
+        match &self.layers[l].ffn {
+            FfnW::Moe { experts, .. } => Some((&experts.buf, experts.stride)),
+            FfnW::Dense(_) => None,
+        }
+    }
+
+    /// `expert_slots`: `None` uploads every expert; `Some(s)` gives each MoE layer `s` empty
+    /// expert slots (streaming).
+    pub fn upload(
+        ctx: &GpuContext,
+        vault: &Vault,
+        rope: &RopeTable,
+        expert_slots: Option<usize>,
+    ) -> Result<Self, EngineError> {
         let cfg = &vault.header.config;
-        let ld = Loader { ctx, vault };
+        let ld = Loader {
+            ctx,
+            vault,
+            slots: expert_slots,
+        };
         let mut layers = vec![];
         for l in 0..cfg.num_layers {
             layers.push(ld.layer(cfg, l)?);

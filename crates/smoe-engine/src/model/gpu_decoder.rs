@@ -8,6 +8,11 @@
 //! final norm and LM head only if a token is generated or scored. It reads back only what the
 //! caller asked for: a greedy token id (4 bytes, argmax on the GPU), the last row of logits
 //! (sampling) or every row (log-probs). So decoding is one submission and one wait per token.
+//!
+//! With `--expert-cache` other than resident, experts stream (`Streaming`): each MoE layer has a
+//! few VRAM expert slots, and a pass is split after every MoE layer's router so the host can read
+//! the chosen ids, fill missing slots from the streaming store, and hand the grouped matvecs slot
+//! indices — one submission and wait per MoE layer.
 
 use super::{mat, Logits};
 use crate::error::EngineError;
@@ -37,8 +42,36 @@ pub struct GpuDecoder {
     readback: Readback,
     /// One forward pass at a time (they share the activations); holds the embedding rows.
     running: Mutex<Vec<f32>>,
-    /// A memory-mapped view of the experts for `Model::experts` (the GPU holds its own copy).
+    /// Resident: a memory-mapped view of the experts for `Model::experts` (the GPU holds its
+    /// own copy). Streaming: the store the GPU's expert slots are filled from (O_DIRECT reads,
+    /// verified, cached in host RAM under the same budget).
     pub experts: Experts,
+    /// `--expert-cache` other than resident: each MoE layer has a few expert slots in VRAM.
+    streaming: Option<Streaming>,
+}
+
+/// GPU expert streaming. Per MoE layer the GPU holds `slots` expert blobs (at the blob stride);
+/// a forward pass stops after each MoE layer's router, reads back the chosen ids (one submit +
+/// wait per MoE layer), makes sure those experts sit in slots (misses: bytes from `experts`,
+/// copied with `queue.write_buffer` into least recently used slots), and writes the slot indices
+/// into the ids buffer for the grouped expert matvecs. Results do not depend on the slots: the
+/// same bytes are multiplied, and outputs are summed by top-k position.
+struct Streaming {
+    slots: usize,
+    /// The largest batch whose n·k experts always fit in the slots.
+    max_piece: usize,
+    table: Mutex<SlotTable>,
+    ids: Readback,
+    hits: AtomicU64,
+    misses: AtomicU64,
+}
+
+struct SlotTable {
+    /// Per layer (empty for dense layers): expert → slot.
+    slot_of: Vec<Vec<Option<u32>>>,
+    /// Per layer: slot → (expert held, last use).
+    held: Vec<Vec<(Option<usize>, u64)>>,
+    clock: u64,
 }
 
 /// How a forward pass ends.
@@ -51,14 +84,11 @@ enum End {
 impl GpuDecoder {
     pub fn load(vault: &Vault, store: &StoreOptions) -> Result<Self, EngineError> {
         let ctx = gpu::context()?;
-        if store.budget != CacheBudget::Resident {
-            tracing::info!("GPU backend: every expert is held in GPU memory; the expert cache budget applies to the CPU backend");
-        }
         let cfg = vault.header.config.clone();
         // Out-of-memory while uploading becomes an error (a fallback under --backend auto)
         // rather than wgpu's default panic.
         let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
-        let built = Self::build(&ctx, vault, cfg);
+        let built = Self::build(&ctx, vault, cfg, store);
         if let Some(e) = pollster::block_on(scope.pop()) {
             return Err(EngineError::Backend(format!("GPU: {e}")));
         }
@@ -76,10 +106,59 @@ impl GpuDecoder {
         Ok(m)
     }
 
-    fn build(ctx: &Arc<GpuContext>, vault: &Vault, cfg: ModelConfig) -> Result<Self, EngineError> {
+    fn build(
+        ctx: &Arc<GpuContext>,
+        vault: &Vault,
+        cfg: ModelConfig,
+        store: &StoreOptions,
+    ) -> Result<Self, EngineError> {
         static IDS: AtomicU64 = AtomicU64::new(1);
         let rope = RopeTable::new(&cfg.rope, cfg.head_dim);
-        let weights = Weights::upload(ctx, vault, &rope)?;
+        let experts = if store.budget == CacheBudget::Resident {
+            let no_profile = StoreOptions {
+                profile: false,
+                ..StoreOptions::default()
+            };
+            Experts::open(vault, &no_profile)?
+        } else {
+            Experts::open(vault, store)?
+        };
+        let k = cfg.num_experts_per_tok.max(1);
+        let streaming = match (experts.budget_bytes(), vault.expert_section()) {
+            (Some(budget), Some(sec)) if experts.is_streaming() => {
+                let moe = cfg.moe_layers().count().max(1) as u64;
+                let by_budget = budget / (sec.blob_stride * moe).max(1);
+                let slots = (by_budget.min(cfg.num_experts as u64) as usize)
+                    .max(k)
+                    .min(cfg.num_experts);
+                let fit = (slots / k).clamp(1, T_MAX);
+                let max_piece = 1 << (usize::BITS - 1 - fit.leading_zeros());
+                tracing::info!(
+                    "GPU backend: streaming experts, {slots} of {} slots per MoE layer in VRAM, batches of ≤ {max_piece} tokens",
+                    cfg.num_experts
+                );
+                let layers = cfg.num_layers;
+                let is_moe = |l: usize| cfg.moe_layers().any(|m| m == l);
+                Some(Streaming {
+                    slots,
+                    max_piece,
+                    table: Mutex::new(SlotTable {
+                        slot_of: (0..layers)
+                            .map(|l| vec![None; if is_moe(l) { cfg.num_experts } else { 0 }])
+                            .collect(),
+                        held: (0..layers)
+                            .map(|l| vec![(None, 0); if is_moe(l) { slots } else { 0 }])
+                            .collect(),
+                        clock: 0,
+                    }),
+                    ids: Readback::new(ctx, 4 * (T_MAX * k) as u64),
+                    hits: AtomicU64::new(0),
+                    misses: AtomicU64::new(0),
+                })
+            }
+            _ => None,
+        };
+        let weights = Weights::upload(ctx, vault, &rope, streaming.as_ref().map(|s| s.slots))?;
         let acts = Acts::new(ctx, &cfg);
         let eps = cfg.rms_norm_eps as f32;
         let mut batches = vec![];
@@ -91,10 +170,6 @@ impl GpuDecoder {
                 .collect::<Result<Vec<_>, _>>()?;
             batches.push((layers, Head::new(ctx, &weights, &acts, eps, n)?));
         }
-        let no_profile = StoreOptions {
-            profile: false,
-            ..StoreOptions::default()
-        };
         Ok(GpuDecoder {
             id: IDS.fetch_add(1, Ordering::Relaxed),
             embed: vault.tensor("model.embed_tokens.weight")?,
@@ -102,7 +177,8 @@ impl GpuDecoder {
             rope_scale: rope.scale(),
             readback: Readback::new(ctx, 4 * (T_MAX * cfg.vocab_size) as u64),
             running: Mutex::new(Vec::with_capacity(T_MAX * cfg.hidden_size)),
-            experts: Experts::open(vault, &no_profile)?,
+            experts,
+            streaming,
             ctx: ctx.clone(),
             weights,
             acts,
@@ -193,7 +269,10 @@ impl GpuDecoder {
         let mut greedy = None;
         let mut done = 0;
         while done < tokens.len() {
-            let n = gpu::piece_len(tokens.len() - done);
+            let mut n = gpu::piece_len(tokens.len() - done);
+            if let Some(st) = &self.streaming {
+                n = n.min(st.max_piece);
+            }
             let last = done + n == tokens.len();
             rows.resize(n * h, 0.0);
             for (row, &id) in rows.chunks_exact_mut(h).zip(&tokens[done..done + n]) {
@@ -203,24 +282,57 @@ impl GpuDecoder {
             q.write_buffer(&self.acts.x, 0, bytemuck::cast_slice(&rows[..]));
             self.ctx.write_step(&self.step, (kv.len + done) as u32);
             let (layers, head) = &self.batches[n.trailing_zeros() as usize];
-            let mut enc = self.ctx.encoder();
-            {
-                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                    label: Some("forward"),
-                    timestamp_writes: None,
-                });
-                for (l, ops) in layers.iter().enumerate() {
-                    ops.pre.iter().for_each(|op| op.record(&mut pass));
-                    gkv.record(n.trailing_zeros() as usize, l, &mut pass);
-                    ops.post.iter().for_each(|op| op.record(&mut pass));
+            // Resident: the whole pass is one submission. Streaming: one per MoE layer, each
+            // ending at the router (`stop`); the next resumes at the layer's expert dispatches.
+            let (mut from, mut resume) = (0, false);
+            let mut enc = loop {
+                let mut enc = self.ctx.encoder();
+                let mut stop = None;
+                {
+                    let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                        label: Some("forward"),
+                        timestamp_writes: None,
+                    });
+                    for (l, ops) in layers.iter().enumerate().skip(from) {
+                        if resume {
+                            resume = false;
+                            let at = ops.experts_at.unwrap_or(ops.post.len());
+                            ops.post[at..].iter().for_each(|op| op.record(&mut pass));
+                            continue;
+                        }
+                        ops.pre.iter().for_each(|op| op.record(&mut pass));
+                        gkv.record(n.trailing_zeros() as usize, l, &mut pass);
+                        match ops.experts_at.filter(|_| self.streaming.is_some()) {
+                            Some(at) => {
+                                ops.post[..at].iter().for_each(|op| op.record(&mut pass));
+                                stop = Some(l);
+                                break;
+                            }
+                            None => ops.post.iter().for_each(|op| op.record(&mut pass)),
+                        }
+                    }
+                    if stop.is_none() {
+                        match end {
+                            End::Logits(Logits::All) => head.record_all(&mut pass),
+                            End::Logits(Logits::Last) if last => head.record_last(&mut pass, false),
+                            End::Greedy if last => head.record_last(&mut pass, true),
+                            _ => {}
+                        }
+                    }
                 }
-                match end {
-                    End::Logits(Logits::All) => head.record_all(&mut pass),
-                    End::Logits(Logits::Last) if last => head.record_last(&mut pass, false),
-                    End::Greedy if last => head.record_last(&mut pass, true),
-                    _ => {}
-                }
-            }
+                let (Some(l), Some(st)) = (stop, &self.streaming) else {
+                    break enc;
+                };
+                let k = self.acts.d.k;
+                st.ids.copy(&mut enc, &self.acts.ids, 4 * (n * k) as u64);
+                q.submit([enc.finish()]);
+                let ids: Vec<u32> = st.ids.read(&self.ctx, 4 * (n * k) as u64, |b| {
+                    bytemuck::pod_collect_to_vec(b)
+                })?;
+                let slots = self.fill_slots(st, l, &ids)?;
+                q.write_buffer(&self.acts.ids, 0, bytemuck::cast_slice(&slots));
+                (from, resume) = (l, true);
+            };
             let (src, bytes) = match end {
                 End::Logits(Logits::All) => (&self.acts.logits, 4 * (n * vocab) as u64),
                 End::Logits(Logits::Last) if last => (&self.acts.logits, 4 * vocab as u64),
@@ -244,6 +356,84 @@ impl GpuDecoder {
             done += n;
         }
         kv.len += tokens.len();
+        if self.streaming.is_some() {
+            self.experts.tick();
+        }
         Ok(greedy)
+    }
+
+    /// Streaming: makes sure the experts in `ids` (router order, `[n][k]`) of MoE layer `l` sit
+    /// in its VRAM slots, and returns their slot indices in the same order. Misses take the
+    /// least recently used slots not needed by this batch, and their bytes come from the store
+    /// (host cache or an O_DIRECT read) through `queue.write_buffer`, which lands before the
+    /// next submission. A failed read leaves no slot claiming the expert.
+    fn fill_slots(&self, st: &Streaming, l: usize, ids: &[u32]) -> Result<Vec<u32>, EngineError> {
+        let (buf, stride) = self
+            .weights
+            .expert_slots(l)
+            .ok_or_else(|| EngineError::Backend(format!("GPU: layer {l} has no experts")))?;
+        let used: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
+        if let Some(&bad) = used.iter().find(|&&e| e >= self.cfg.num_experts) {
+            return Err(EngineError::Backend(format!(
+                "GPU: layer {l}: router chose expert {bad} of {}",
+                self.cfg.num_experts
+            )));
+        }
+        self.experts.note_uses(l, &used);
+        let mut distinct = used.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        let mut t = st.table.lock().unwrap_or_else(|e| e.into_inner());
+        t.clock += 1;
+        let now = t.clock;
+        let SlotTable { slot_of, held, .. } = &mut *t;
+        let (slot_of, held) = (&mut slot_of[l], &mut held[l]);
+        let mut misses = vec![];
+        for &e in &distinct {
+            match slot_of[e] {
+                Some(s) => held[s as usize].1 = now,
+                None => misses.push(e),
+            }
+        }
+        for &e in &misses {
+            // Empty slots first, then the least recently used; never one this batch uses.
+            let victim = (0..held.len())
+                .filter(|&s| held[s].1 != now)
+                .min_by_key(|&s| (held[s].0.is_some(), held[s].1))
+                .expect("a batch's experts fit in the slots (max_piece)");
+            if let Some(old) = held[victim].0 {
+                slot_of[old] = None;
+            }
+            held[victim] = (Some(e), now);
+            slot_of[e] = Some(victim as u32);
+        }
+        st.hits
+            .fetch_add((distinct.len() - misses.len()) as u64, Ordering::Relaxed);
+        st.misses.fetch_add(misses.len() as u64, Ordering::Relaxed);
+        let q = &self.ctx.queue;
+        let read = self.experts.for_each_blob(l, &misses, &mut |e, bytes| {
+            let s = slot_of[e].expect("assigned above") as u64;
+            let len = bytes.len().min(stride as usize) & !3;
+            q.write_buffer(buf, s * stride, &bytes[..len]);
+        });
+        if let Err(err) = read {
+            for &e in &misses {
+                if let Some(s) = slot_of[e].take() {
+                    held[s as usize] = (None, 0);
+                }
+            }
+            return Err(err);
+        }
+        Ok(used.iter().map(|&e| slot_of[e].expect("filled")).collect())
+    }
+
+    /// Streaming: VRAM slot hits and misses (distinct experts per layer and batch) since load.
+    pub fn slot_stats(&self) -> Option<(u64, u64)> {
+        self.streaming.as_ref().map(|s| {
+            (
+                s.hits.load(Ordering::Relaxed),
+                s.misses.load(Ordering::Relaxed),
+            )
+        })
     }
 }

@@ -223,6 +223,52 @@ impl Experts {
         }
     }
 
+    /// Calls `f(expert, blob)` with each expert's raw blob bytes (any order), without counting
+    /// uses (see `note_uses`): the GPU backend copies them into its VRAM slots. Streamed blobs
+    /// are `blob_stride` long (O_DIRECT reads into aligned buffers); mapped ones are the blob.
+    pub fn for_each_blob(
+        &self,
+        layer: usize,
+        experts: &[usize],
+        f: &mut dyn FnMut(usize, &[u8]),
+    ) -> Result<(), EngineError> {
+        match &self.source {
+            Source::Mapped => {
+                for &e in experts {
+                    f(e, self.mapped.blob_bytes(layer, e)?);
+                }
+                Ok(())
+            }
+            Source::Streamed(s) => {
+                let with_blobs: Vec<(usize, usize)> = experts
+                    .iter()
+                    .map(|&e| {
+                        (
+                            e,
+                            self.mapped.blob_index(layer, e).expect("checked at load"),
+                        )
+                    })
+                    .collect();
+                s.for_each_blob(layer, &with_blobs, f)
+            }
+        }
+    }
+
+    /// Counts uses of `experts` of `layer` for the profile (what `for_each` does itself).
+    pub fn note_uses(&self, layer: usize, experts: &[usize]) {
+        for &e in experts {
+            self.usage[layer * self.n_experts + e].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The cache budget in bytes when streaming.
+    pub fn budget_bytes(&self) -> Option<u64> {
+        match &self.source {
+            Source::Streamed(s) => Some(s.stats.lock().unwrap().cache_budget),
+            Source::Mapped => None,
+        }
+    }
+
     /// Starts reading `experts` of `layer` ahead of use (streaming only; a no-op otherwise).
     pub fn prefetch(&self, layer: usize, experts: &[usize]) {
         if let Source::Streamed(s) = &self.source {

@@ -131,10 +131,6 @@ impl StreamedStore {
         Ok(buf)
     }
 
-    fn expert<'a>(&self, buf: &'a AlignedBuf) -> Expert<'a> {
-        Expert::from_blob(&self.parts, buf.as_slice())
-    }
-
     /// Loads `(layer, expert, blob)` into the cache ahead of use (profile preload), pinned.
     pub fn preload(&self, layer: usize, expert: usize, blob: usize) -> Result<bool, EngineError> {
         let key = layer * self.n_experts + expert;
@@ -176,6 +172,20 @@ impl StreamedStore {
         layer: usize,
         experts: &[(usize, usize)],
         f: &mut dyn FnMut(usize, Expert<'_>),
+    ) -> Result<(), EngineError> {
+        let parts = &self.parts;
+        self.for_each_blob(layer, experts, &mut |e, b| {
+            f(e, Expert::from_blob(parts, b))
+        })
+    }
+
+    /// As `for_each`, but hands `f` each expert's whole blob slot as read (`blob_stride` bytes,
+    /// the blob's bytes verified) — what the GPU backend copies into a VRAM slot.
+    pub fn for_each_blob(
+        &self,
+        layer: usize,
+        experts: &[(usize, usize)],
+        f: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<(), EngineError> {
         let mut hits = vec![];
         let mut misses = vec![];
@@ -220,7 +230,7 @@ impl StreamedStore {
         let mut compute = 0.0;
         for (e, buf) in &hits {
             let t = Instant::now();
-            f(*e, self.expert(buf));
+            f(*e, buf.as_slice());
             compute += t.elapsed().as_secs_f64();
         }
         let (mut wait, mut read, mut first_err) = (0.0, 0.0, None);
@@ -242,7 +252,7 @@ impl StreamedStore {
                 Ok(buf) => {
                     let buf = Arc::new(buf);
                     let t = Instant::now();
-                    f(key % self.n_experts, self.expert(&buf));
+                    f(key % self.n_experts, buf.as_slice());
                     compute += t.elapsed().as_secs_f64();
                     self.cache.lock().unwrap().insert(key, buf, false);
                 }
