@@ -83,6 +83,14 @@ impl StoreArgs {
             tracing::warn!("cannot save the expert profile: {e}");
         }
         let st = experts.stats();
+        if let (true, Some((hits, misses))) = (self.stats, engine.model.vram_slot_stats()) {
+            let rate = if hits + misses > 0 {
+                100.0 * hits as f64 / (hits + misses) as f64
+            } else {
+                0.0
+            };
+            eprintln!("[VRAM expert slots: {hits} hits, {misses} misses ({rate:.1}% hit rate); the line below is the host store behind them]");
+        }
         if self.stats {
             match &st {
                 Some(st) => print_stats(st),

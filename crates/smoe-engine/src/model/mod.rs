@@ -86,6 +86,14 @@ impl Model {
         }
     }
 
+    /// VRAM expert-slot (hits, misses) when the GPU backend streams experts.
+    pub fn vram_slot_stats(&self) -> Option<(u64, u64)> {
+        match self {
+            Model::Gpu(m) => m.slot_stats(),
+            Model::Decoder(_) => None,
+        }
+    }
+
     pub fn new_cache(&self, capacity: usize) -> KvCache {
         if let Model::Gpu(m) = self {
             return m.new_cache(capacity);
