@@ -64,16 +64,10 @@ impl ExpertStore {
     }
 
     pub fn get(&self, layer: usize, expert: usize) -> Result<Expert<'_>, VaultError> {
-        let i = self.index[layer * self.n_experts + expert].ok_or_else(|| {
-            VaultError::Tensor(format!("no expert blob for layer {layer} expert {expert}"))
-        })?;
-        let blob = &self.vault.expert_section().unwrap().blobs[i];
-        let bytes = self.vault.expert_bytes_mapped(blob);
-        if !self.verified[i].load(Ordering::Relaxed) {
-            self.vault.verify_expert(blob, bytes)?;
-            self.verified[i].store(true, Ordering::Relaxed);
-        }
-        Ok(Expert::from_blob(&self.parts, bytes))
+        Ok(Expert::from_blob(
+            &self.parts,
+            self.blob_bytes(layer, expert)?,
+        ))
     }
 
     /// One expert's blob bytes (mapped), verified on first use.

@@ -166,7 +166,6 @@ impl Experts {
                 tracing::info!("expert cache budget {b} bytes of {total}");
                 Source::Streamed(StreamedStore::new(
                     vault,
-                    mapped.parts().to_vec(),
                     b,
                     opts.read_threads,
                     opts.fault.clone(),
@@ -198,29 +197,24 @@ impl Experts {
         experts: &[usize],
         f: &mut dyn FnMut(usize, Expert<'_>),
     ) -> Result<(), EngineError> {
-        for &e in experts {
-            self.usage[layer * self.n_experts + e].fetch_add(1, Ordering::Relaxed);
-        }
-        match &self.source {
-            Source::Mapped => {
-                for &e in experts {
-                    f(e, self.mapped.get(layer, e)?);
-                }
-                Ok(())
-            }
-            Source::Streamed(s) => {
-                let with_blobs: Vec<(usize, usize)> = experts
-                    .iter()
-                    .map(|&e| {
-                        (
-                            e,
-                            self.mapped.blob_index(layer, e).expect("checked at load"),
-                        )
-                    })
-                    .collect();
-                s.for_each(layer, &with_blobs, f)
-            }
-        }
+        self.note_uses(layer, experts);
+        let parts = self.mapped.parts();
+        self.for_each_blob(layer, experts, &mut |e, bytes| {
+            f(e, Expert::from_blob(parts, bytes))
+        })
+    }
+
+    /// `(expert, index of its blob in the vault)` for `experts` of `layer`.
+    fn with_blobs(&self, layer: usize, experts: &[usize]) -> Vec<(usize, usize)> {
+        experts
+            .iter()
+            .map(|&e| {
+                (
+                    e,
+                    self.mapped.blob_index(layer, e).expect("checked at load"),
+                )
+            })
+            .collect()
     }
 
     /// Calls `f(expert, blob)` with each expert's raw blob bytes (any order), without counting
@@ -239,18 +233,7 @@ impl Experts {
                 }
                 Ok(())
             }
-            Source::Streamed(s) => {
-                let with_blobs: Vec<(usize, usize)> = experts
-                    .iter()
-                    .map(|&e| {
-                        (
-                            e,
-                            self.mapped.blob_index(layer, e).expect("checked at load"),
-                        )
-                    })
-                    .collect();
-                s.for_each_blob(layer, &with_blobs, f)
-            }
+            Source::Streamed(s) => s.for_each_blob(layer, &self.with_blobs(layer, experts), f),
         }
     }
 
@@ -272,11 +255,7 @@ impl Experts {
     /// Starts reading `experts` of `layer` ahead of use (streaming only; a no-op otherwise).
     pub fn prefetch(&self, layer: usize, experts: &[usize]) {
         if let Source::Streamed(s) = &self.source {
-            let with_blobs: Vec<(usize, usize)> = experts
-                .iter()
-                .filter_map(|&e| self.mapped.blob_index(layer, e).map(|b| (e, b)))
-                .collect();
-            s.prefetch(layer, &with_blobs);
+            s.prefetch(layer, &self.with_blobs(layer, experts));
         }
     }
 

@@ -6,9 +6,7 @@ use super::aligned::AlignedBuf;
 use super::cache::ExpertCache;
 use super::reader::{BlobReader, FaultHook};
 use super::stats::StoreStats;
-use super::Expert;
 use crate::error::EngineError;
-use smoe_vault::format::ExpertPart;
 use smoe_vault::Vault;
 use std::collections::HashMap;
 use std::sync::mpsc::{channel, Receiver, Sender};
@@ -52,7 +50,6 @@ struct Job {
 
 pub struct StreamedStore {
     vault: Vault,
-    parts: Vec<ExpertPart>,
     pub(super) n_experts: usize,
     stride: usize,
     pub(super) cache: Mutex<ExpertCache>,
@@ -68,7 +65,6 @@ pub struct StreamedStore {
 impl StreamedStore {
     pub fn new(
         vault: &Vault,
-        parts: Vec<ExpertPart>,
         budget: u64,
         threads: usize,
         fault: Option<FaultHook>,
@@ -85,7 +81,6 @@ impl StreamedStore {
         stats.direct_io = reader.is_direct();
         let store = Arc::new(StreamedStore {
             vault: vault.clone(),
-            parts,
             n_experts: cfg.num_experts,
             stride: x.blob_stride as usize,
             cache: Mutex::new(ExpertCache::new(budget, cfg.num_layers * cfg.num_experts)),
@@ -164,23 +159,10 @@ impl StreamedStore {
         }
     }
 
-    /// Runs `f` on each of `experts` (with their blob indices) of `layer`: cache hits first,
-    /// then misses in the order their reads finish. The first failed read is returned after the
-    /// others have drained; nothing from a failed read is cached.
-    pub fn for_each(
-        &self,
-        layer: usize,
-        experts: &[(usize, usize)],
-        f: &mut dyn FnMut(usize, Expert<'_>),
-    ) -> Result<(), EngineError> {
-        let parts = &self.parts;
-        self.for_each_blob(layer, experts, &mut |e, b| {
-            f(e, Expert::from_blob(parts, b))
-        })
-    }
-
-    /// As `for_each`, but hands `f` each expert's whole blob slot as read (`blob_stride` bytes,
-    /// the blob's bytes verified) — what the GPU backend copies into a VRAM slot.
+    /// Hands `f` each of `experts` (with their blob indices) of `layer` as its whole blob slot
+    /// (`blob_stride` bytes, verified): cache hits first, then misses in the order their reads
+    /// finish. The first failed read is returned after the others have drained; nothing from a
+    /// failed read is cached.
     pub fn for_each_blob(
         &self,
         layer: usize,
