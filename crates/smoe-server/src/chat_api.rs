@@ -79,7 +79,12 @@ async fn run(st: Shared, body: Result<Bytes, BytesRejection>) -> Result<Response
     } else {
         (done.text.clone(), vec![])
     };
+    // Reasoning (`<think>…</think>`) is returned apart from the answer.
+    let (reasoning, content) = crate::reasoning::split_reasoning(&content);
     let mut message = json!({"role": "assistant", "content": content});
+    if let Some(r) = reasoning {
+        message["reasoning_content"] = Value::String(r);
+    }
     let mut finish = done.finish.as_str();
     if !calls.is_empty() {
         if content.is_empty() {

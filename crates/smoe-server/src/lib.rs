@@ -10,6 +10,7 @@ pub mod error;
 mod logprobs;
 mod messages;
 mod params;
+mod reasoning;
 mod respond;
 pub mod scheduler;
 mod sequence;
