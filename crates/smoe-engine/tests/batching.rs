@@ -4,26 +4,18 @@ use smoe_engine::engine::EngineOptions;
 use smoe_engine::model::Scratch;
 use smoe_engine::sampler::argmax;
 use smoe_engine::{Engine, Logits};
-use smoe_vault::import::{convert_to_path, ConvertOptions};
 use smoe_vault::DType;
 
+mod common;
+use common::TempVault;
+
 fn engine(name: &str) -> Engine {
-    let ck = smoe_fixtures::checkpoint(name).unwrap();
-    let out =
-        std::env::temp_dir().join(format!("smoe-batching-{}-{name}.smoe", std::process::id()));
-    convert_to_path(
-        &ck,
-        &out,
-        ConvertOptions {
-            experts: DType::Q8,
-            scout: DType::Bf16,
-        },
-        &mut |_: u64, _: &str| {},
+    // The mapping keeps the vault alive after its file is removed.
+    Engine::open(
+        TempVault::new(name, DType::Q8).path(),
+        EngineOptions::default(),
     )
-    .unwrap();
-    let e = Engine::open(&out, EngineOptions::default()).unwrap();
-    let _ = std::fs::remove_file(&out);
-    e
+    .unwrap()
 }
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {

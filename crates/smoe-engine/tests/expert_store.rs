@@ -1,33 +1,16 @@
 //! The streaming expert store: tokens never depend on the cache size, stats add up, faults fail
 //! the request (naming layer and expert) without poisoning the cache, profiles round-trip.
 
-use smoe_engine::engine::{EngineOptions, GenerateOptions};
-use smoe_engine::sampler::SamplerConfig;
+use smoe_engine::engine::EngineOptions;
 use smoe_engine::store::{CacheBudget, StoreOptions};
 use smoe_engine::Engine;
-use smoe_vault::import::{convert_to_path, ConvertOptions};
 use smoe_vault::DType;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-fn vault(name: &str, tag: &str) -> PathBuf {
-    let ck = smoe_fixtures::checkpoint(name).unwrap();
-    let dir = std::env::temp_dir().join(format!("smoe-store-{}-{tag}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let out = dir.join(format!("{name}.smoe"));
-    convert_to_path(
-        &ck,
-        &out,
-        ConvertOptions {
-            experts: DType::Q4,
-            scout: DType::Bf16,
-        },
-        &mut |_: u64, _: &str| {},
-    )
-    .unwrap();
-    out
-}
+mod common;
+use common::{greedy, TempVault};
 
 fn open(path: &Path, budget: CacheBudget, profile: bool) -> Engine {
     let store = StoreOptions {
@@ -46,23 +29,11 @@ fn open(path: &Path, budget: CacheBudget, profile: bool) -> Engine {
     .unwrap()
 }
 
-fn greedy(e: &Engine, prompt: &[u32], n: usize) -> Vec<u32> {
-    let opts = GenerateOptions {
-        max_tokens: n,
-        sampler: SamplerConfig::greedy(),
-        stop_ids: vec![],
-        stop_strings: vec![],
-    };
-    e.session(prompt.len() + n)
-        .generate(prompt, &opts, &mut |_| {})
-        .unwrap()
-        .tokens
-}
-
 #[test]
 fn tokens_do_not_depend_on_the_cache() {
     for name in ["tiny-dense-mix", "tiny-qwen2moe", "tiny-yarn"] {
-        let path = vault(name, "invariant");
+        let v = TempVault::new(name, DType::Q4);
+        let path = v.path();
         let prompt: Vec<u32> = (3..50).collect();
         let resident = open(&path, CacheBudget::Resident, false);
         let want_tokens = greedy(&resident, &prompt, 24);
@@ -112,7 +83,8 @@ fn tokens_do_not_depend_on_the_cache() {
 
 #[test]
 fn a_failed_read_fails_the_request_names_the_expert_and_is_not_cached() {
-    let path = vault("tiny-tied", "fault");
+    let v = TempVault::new("tiny-tied", DType::Q4);
+    let path = v.path();
     let failing = Arc::new(AtomicBool::new(true));
     let flag = failing.clone();
     let fault: smoe_engine::store::FaultHook = Arc::new(move |layer, _expert| {
@@ -151,7 +123,8 @@ fn a_failed_read_fails_the_request_names_the_expert_and_is_not_cached() {
 
 #[test]
 fn a_corrupt_blob_is_reported_with_layer_and_expert() {
-    let path = vault("tiny-tied", "corrupt");
+    let v = TempVault::new("tiny-tied", DType::Q4);
+    let path = v.path();
     let v = smoe_vault::Vault::open(&path).unwrap();
     let blob = v.expert_entry(2, 5).unwrap().offset as usize;
     drop(v);
@@ -172,7 +145,8 @@ fn a_corrupt_blob_is_reported_with_layer_and_expert() {
 
 #[test]
 fn the_profile_is_saved_and_preloads_the_next_start() {
-    let path = vault("tiny-dense-mix", "profile");
+    let v = TempVault::new("tiny-dense-mix", DType::Q4);
+    let path = v.path();
     let prompt: Vec<u32> = (5..60).collect();
     {
         let e = open(&path, CacheBudget::Fraction(0.5), true);

@@ -8,51 +8,17 @@
 //! With no GPU adapter every test prints `skipped: no GPU adapter` and passes, unless
 //! `SMOE_REQUIRE_GPU=1` (set by `.ci/run`), which turns that into a failure.
 
-use smoe_engine::engine::{Backend, EngineOptions, GenerateOptions};
-use smoe_engine::sampler::SamplerConfig;
+use smoe_engine::engine::{Backend, EngineOptions};
 use smoe_engine::{Engine, Logits};
-use smoe_vault::import::{convert_to_path, ConvertOptions};
 use smoe_vault::DType;
-use std::path::PathBuf;
+
+mod common;
+use common::{greedy, have_gpu, TempVault};
 
 const MARGIN: f64 = 0.05;
 
-/// Whether this machine has a usable GPU; says so on stderr when it has none.
-fn have_gpu() -> bool {
-    match smoe_engine::gpu::context() {
-        Ok(_) => true,
-        Err(e) => {
-            if std::env::var("SMOE_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-                panic!("SMOE_REQUIRE_GPU=1 but the GPU is unusable: {e}");
-            }
-            // Straight to stderr: libtest would swallow eprint! of a passing test.
-            use std::io::Write;
-            let _ = writeln!(std::io::stderr(), "skipped: no GPU adapter ({e})");
-            false
-        }
-    }
-}
-
-/// A fixture converted to a vault, removed when dropped.
-struct TempVault(PathBuf);
-
+/// Opening a fixture vault on a given backend (and checking it got that backend).
 impl TempVault {
-    fn new(name: &str, quant: DType) -> Self {
-        let ck = smoe_fixtures::checkpoint(name).expect("fixture checkpoint");
-        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let out = std::env::temp_dir().join(format!(
-            "smoe-gpu-parity-{}-{n}-{name}-{quant}.smoe",
-            std::process::id()
-        ));
-        let opts = ConvertOptions {
-            experts: quant,
-            scout: DType::Bf16,
-        };
-        convert_to_path(&ck, &out, opts, &mut |_: u64, _: &str| {}).expect("convert");
-        TempVault(out)
-    }
-
     fn open(&self, backend: Backend) -> Engine {
         let opts = EngineOptions {
             backend,
@@ -68,25 +34,6 @@ impl TempVault {
         assert_eq!(e.model.backend(), want);
         e
     }
-}
-
-impl Drop for TempVault {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-fn greedy(engine: &Engine, prompt: &[u32], steps: usize) -> Vec<u32> {
-    let mut s = engine.session(prompt.len() + steps);
-    let opts = GenerateOptions {
-        max_tokens: steps,
-        sampler: SamplerConfig::greedy(),
-        stop_ids: vec![],
-        stop_strings: vec![],
-    };
-    s.generate(prompt, &opts, &mut |_| {})
-        .expect("generate")
-        .tokens
 }
 
 #[test]

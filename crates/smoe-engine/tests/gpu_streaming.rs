@@ -6,51 +6,14 @@
 //! With no GPU adapter every test prints `skipped: no GPU adapter` and passes, unless
 //! `SMOE_REQUIRE_GPU=1`, which turns that into a failure.
 
-use smoe_engine::engine::{Backend, EngineOptions, GenerateOptions};
-use smoe_engine::sampler::SamplerConfig;
+use smoe_engine::engine::{Backend, EngineOptions};
 use smoe_engine::store::{CacheBudget, StoreOptions};
 use smoe_engine::{Engine, Model};
-use smoe_vault::import::{convert_to_path, ConvertOptions};
 use smoe_vault::DType;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-fn have_gpu() -> bool {
-    match smoe_engine::gpu::context() {
-        Ok(_) => true,
-        Err(e) => {
-            if std::env::var("SMOE_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-                panic!("SMOE_REQUIRE_GPU=1 but the GPU is unusable: {e}");
-            }
-            use std::io::Write;
-            let _ = writeln!(std::io::stderr(), "skipped: no GPU adapter ({e})");
-            false
-        }
-    }
-}
-
-/// A fixture converted to a q4-experts vault, removed when dropped.
-struct TempVault(PathBuf);
-
-impl TempVault {
-    fn new(name: &str) -> Self {
-        let ck = smoe_fixtures::checkpoint(name).expect("fixture checkpoint");
-        let dir = std::env::temp_dir().join(format!("smoe-gpu-stream-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let out = dir.join(format!("{name}.smoe"));
-        let opts = ConvertOptions {
-            experts: DType::Q4,
-            scout: DType::Bf16,
-        };
-        convert_to_path(&ck, &out, opts, &mut |_: u64, _: &str| {}).expect("convert");
-        TempVault(out)
-    }
-}
-
-impl Drop for TempVault {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
+mod common;
+use common::{greedy, have_gpu, TempVault};
 
 fn open(path: &Path, budget: CacheBudget) -> Engine {
     let store = StoreOptions {
@@ -73,26 +36,13 @@ fn open(path: &Path, budget: CacheBudget) -> Engine {
     e
 }
 
-fn greedy(e: &Engine, prompt: &[u32], n: usize) -> Vec<u32> {
-    let opts = GenerateOptions {
-        max_tokens: n,
-        sampler: SamplerConfig::greedy(),
-        stop_ids: vec![],
-        stop_strings: vec![],
-    };
-    e.session(prompt.len() + n)
-        .generate(prompt, &opts, &mut |_| {})
-        .unwrap()
-        .tokens
-}
-
 #[test]
 fn gpu_tokens_do_not_depend_on_the_expert_cache() {
     if !have_gpu() {
         return;
     }
     for name in ["tiny-dense-mix", "tiny-qwen2moe"] {
-        let v = TempVault::new(name);
+        let v = TempVault::new(name, DType::Q4);
         let prompt: Vec<u32> = (3..50).collect();
         let resident = open(&v.0, CacheBudget::Resident);
         assert!(!resident.model.experts().is_streaming());

@@ -5,40 +5,14 @@
 //! exceeds 0.05, and the same greedy tokens up to the first step whose margin is below 0.05.
 //! q8/q4/q2: deviations are measured and printed; q8 must keep ≥ 95 % argmax agreement.
 
-use smoe_engine::engine::{EngineOptions, GenerateOptions};
-use smoe_engine::sampler::SamplerConfig;
+use smoe_engine::engine::EngineOptions;
 use smoe_engine::Engine;
-use smoe_vault::import::{convert_to_path, ConvertOptions};
 use smoe_vault::DType;
-use std::path::PathBuf;
+
+mod common;
+use common::{greedy, TempVault};
 
 const MARGIN: f64 = 0.05;
-
-fn vault(name: &str, quant: DType) -> TempVault {
-    let ck = smoe_fixtures::checkpoint(name).expect("fixture checkpoint");
-    // Unique per call: tests run in parallel and may convert the same fixture.
-    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let out = std::env::temp_dir().join(format!(
-        "smoe-parity-{}-{n}-{name}-{quant}.smoe",
-        std::process::id()
-    ));
-    let opts = ConvertOptions {
-        experts: quant,
-        scout: DType::Bf16,
-    };
-    convert_to_path(&ck, &out, opts, &mut |_: u64, _: &str| {}).expect("convert");
-    TempVault(out)
-}
-
-/// Removes the converted vault when dropped.
-struct TempVault(PathBuf);
-
-impl Drop for TempVault {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
 
 struct Deviation {
     max_abs: f64,
@@ -81,14 +55,7 @@ fn check_greedy(engine: &Engine, name: &str) {
     let reference = smoe_fixtures::reference(name);
     for p in &reference.prompts {
         let g = &p.greedy;
-        let mut s = engine.session(p.prompt.len() + g.tokens.len());
-        let opts = GenerateOptions {
-            max_tokens: g.tokens.len(),
-            sampler: SamplerConfig::greedy(),
-            stop_ids: vec![],
-            stop_strings: vec![],
-        };
-        let out = s.generate(&p.prompt, &opts, &mut |_| {}).expect("generate");
+        let out = greedy(engine, &p.prompt, g.tokens.len());
         let firm = g
             .margins
             .iter()
@@ -96,7 +63,7 @@ fn check_greedy(engine: &Engine, name: &str) {
             .unwrap_or(g.tokens.len());
         assert!(firm > 0 || g.margins[0] < MARGIN);
         assert_eq!(
-            &out.tokens[..firm],
+            &out[..firm],
             &g.tokens[..firm],
             "{name}: greedy tokens differ before step {firm} (prompt seed {})",
             p.seed
@@ -124,7 +91,7 @@ fn open(v: &TempVault) -> Engine {
 #[test]
 fn bf16_matches_transformers() {
     for name in smoe_fixtures::names() {
-        let engine = open(&vault(&name, DType::Bf16));
+        let engine = open(&TempVault::new(&name, DType::Bf16));
         let d = compare(&engine, &name);
         eprintln!(
             "{name} bf16: max |Δlogprob| {:.5}, mean {:.6}, argmax {}/{}",
@@ -151,7 +118,7 @@ fn bf16_matches_transformers() {
 fn rope_tables_match_transformers() {
     for name in smoe_fixtures::names() {
         let reference = smoe_fixtures::reference(&name);
-        let engine = open(&vault(&name, DType::Q4));
+        let engine = open(&TempVault::new(&name, DType::Q4));
         let c = engine.model.config();
         let table = smoe_engine::rope::RopeTable::new(&c.rope, c.head_dim);
         let (mut cos, mut sin) = (vec![0f32; c.head_dim / 2], vec![0f32; c.head_dim / 2]);
@@ -188,7 +155,7 @@ fn rope_tables_match_transformers() {
 fn quantized_deviations_are_bounded() {
     for name in smoe_fixtures::names() {
         for q in [DType::Q8, DType::Q4, DType::Q2] {
-            let engine = open(&vault(&name, q));
+            let engine = open(&TempVault::new(&name, q));
             let d = compare(&engine, &name);
             let agree = d.argmax_agree as f64 / d.argmax_total as f64;
             eprintln!(

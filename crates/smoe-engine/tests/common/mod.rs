@@ -1,0 +1,75 @@
+//! What the engine's integration tests share: fixture vaults, greedy decoding, GPU detection.
+#![allow(dead_code)] // each test binary uses a different subset
+
+use smoe_engine::engine::GenerateOptions;
+use smoe_engine::sampler::SamplerConfig;
+use smoe_engine::Engine;
+use smoe_vault::import::{convert_to_path, ConvertOptions};
+use smoe_vault::DType;
+use std::path::{Path, PathBuf};
+
+/// A fixture converted to a vault (experts in `quant`, scout bf16) at a path of its own; the vault
+/// and any usage profile beside it are removed when dropped.
+pub struct TempVault(pub PathBuf);
+
+impl TempVault {
+    pub fn new(name: &str, quant: DType) -> Self {
+        // Unique per call: tests run in parallel and may convert the same fixture.
+        static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let ck = smoe_fixtures::checkpoint(name).expect("fixture checkpoint");
+        let out = std::env::temp_dir().join(format!(
+            "smoe-test-{}-{n}-{name}-{quant}.smoe",
+            std::process::id()
+        ));
+        let opts = ConvertOptions {
+            experts: quant,
+            scout: DType::Bf16,
+        };
+        convert_to_path(&ck, &out, opts, &mut |_: u64, _: &str| {}).expect("convert");
+        TempVault(out)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempVault {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+        let _ = std::fs::remove_file(smoe_engine::store::profile::Profile::path_for(&self.0));
+    }
+}
+
+/// `n` greedy tokens after `prompt`, no stop ids.
+pub fn greedy(engine: &Engine, prompt: &[u32], n: usize) -> Vec<u32> {
+    let opts = GenerateOptions {
+        max_tokens: n,
+        sampler: SamplerConfig::greedy(),
+        stop_ids: vec![],
+        stop_strings: vec![],
+    };
+    engine
+        .session(prompt.len() + n)
+        .generate(prompt, &opts, &mut |_| {})
+        .expect("generate")
+        .tokens
+}
+
+/// Whether this machine has a usable GPU; says so on stderr when it has none, and fails instead
+/// when `SMOE_REQUIRE_GPU=1` (CI), so GPU tests can never skip silently there.
+pub fn have_gpu() -> bool {
+    match smoe_engine::gpu::context() {
+        Ok(_) => true,
+        Err(e) => {
+            if std::env::var("SMOE_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                panic!("SMOE_REQUIRE_GPU=1 but the GPU is unusable: {e}");
+            }
+            // Straight to stderr: libtest would swallow eprint! of a passing test.
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "skipped: no GPU adapter ({e})");
+            false
+        }
+    }
+}
