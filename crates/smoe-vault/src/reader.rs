@@ -15,6 +15,8 @@ pub struct Vault {
     map: Arc<Mmap>,
     pub header: Arc<Header>,
     pub version: (u16, u16),
+    /// XXH3-64 of the header bytes, from the preamble: identifies this vault's contents.
+    pub header_xxh3: u64,
 }
 
 /// A tensor of the scout section, borrowed from the mapping (cheap to clone, `'static`).
@@ -97,6 +99,7 @@ impl Vault {
             map: Arc::new(map),
             header: Arc::new(header),
             version: (pre.major, pre.minor),
+            header_xxh3: pre.header_xxh3,
         };
         vault.check_directory()?;
         Ok(vault)

@@ -173,10 +173,8 @@ impl Experts {
             }
             _ => Source::Mapped,
         };
-        let header_sum = format!(
-            "{:016x}",
-            smoe_vault::format::checksum(&serde_json::to_vec(&*vault.header).unwrap_or_default())
-        );
+        // The preamble already carries the header's checksum: no need to re-serialize it.
+        let header_sum = format!("{:016x}", vault.header_xxh3);
         Ok(Experts {
             mapped,
             source,
