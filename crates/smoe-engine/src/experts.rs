@@ -1,6 +1,6 @@
-//! Routed experts, read from the vault. Every blob is checked against its checksum the first
-//! time it is used; a mismatch fails the request with the layer and expert named.
-//! (The streaming store with a bounded cache replaces the mapping in the expert-streaming work.)
+//! Routed experts memory-mapped from the vault (the resident path, and the blob index the
+//! streaming store in `store/` uses). Every blob is checked against its checksum the first time
+//! it is used; a mismatch fails the request with the layer and expert named.
 
 use smoe_compute::cpu::QMatRef;
 use smoe_vault::format::ExpertPart;
@@ -61,13 +61,6 @@ impl ExpertStore {
             index,
             verified,
         })
-    }
-
-    pub fn get(&self, layer: usize, expert: usize) -> Result<Expert<'_>, VaultError> {
-        Ok(Expert::from_blob(
-            &self.parts,
-            self.blob_bytes(layer, expert)?,
-        ))
     }
 
     /// One expert's blob bytes (mapped), verified on first use.
