@@ -114,3 +114,67 @@ fn bench_kernels_reports_ratios_to_copy() {
         );
     }
 }
+
+/// `smoe bench decode --breakdown`: GPU timestamps per step, for decode and prefill. Every step
+/// of a Qwen3-MoE layer shows up, shares sum to one, and the GPU time fits inside the wall time.
+#[test]
+fn bench_decode_breakdown_times_every_step() {
+    if !have_gpu() {
+        return;
+    }
+    let v = json(&smoe(&[
+        "bench",
+        "decode",
+        "--backend",
+        "gpu",
+        "--tg",
+        "3",
+        "--pp",
+        "5",
+        "--reps",
+        "1",
+        "--breakdown",
+        "--json",
+    ]));
+    let runs = v["breakdown"].as_array().expect("breakdown");
+    assert_eq!(runs.len(), 2, "{v}");
+    for r in runs {
+        let steps = r["steps"].as_array().unwrap();
+        let names: Vec<&str> = steps.iter().map(|s| s["step"].as_str().unwrap()).collect();
+        for want in [
+            "qkv",
+            "attention",
+            "o proj",
+            "router",
+            "experts gate_up",
+            "experts down",
+            "lm head",
+        ] {
+            assert!(names.contains(&want), "{want} missing from {names:?}");
+        }
+        let share: f64 = steps
+            .iter()
+            .map(|s| s["share_of_gpu"].as_f64().unwrap())
+            .sum();
+        assert!((share - 1.0).abs() < 1e-6, "{r}");
+        let (gpu, wall) = (
+            r["gpu_us_per_token"].as_f64().unwrap(),
+            r["wall_us_per_token"].as_f64().unwrap(),
+        );
+        assert!(gpu > 0.0 && gpu <= wall * 1.05, "{r}");
+    }
+    let decode = &runs[0];
+    assert_eq!(decode["run"], "decode");
+    let qkv = decode["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["step"] == "qkv")
+        .unwrap();
+    // The demo model has 6 layers: one fused q/k/v matvec each per decoded token.
+    assert_eq!(
+        qkv["dispatch_groups_per_token"].as_f64().unwrap(),
+        6.0,
+        "{qkv}"
+    );
+}

@@ -36,6 +36,10 @@ pub struct DecodeArgs {
     backend: Backend,
     #[arg(long)]
     json: bool,
+    /// GPU only: after the timed runs, time every step of one more decode (and prefill) run with
+    /// GPU timestamps and print where the time goes (µs per token and share).
+    #[arg(long)]
+    breakdown: bool,
     #[command(flatten)]
     store: StoreArgs,
 }
@@ -51,6 +55,10 @@ pub struct KernelArgs {
     /// Print one JSON object: device, copy GB/s and a row per (shape, type).
     #[arg(long)]
     json: bool,
+    /// q4 only, every launch shape (64/128/256 invocations × 4/8/16/32 rows) and decoding
+    /// (float bits, int8 dot products): for choosing the defaults on a new device.
+    #[arg(long)]
+    sweep: bool,
 }
 
 pub fn run(b: Bench) -> Result<()> {
@@ -63,7 +71,7 @@ pub fn run(b: Bench) -> Result<()> {
 
 fn kernels(a: KernelArgs) -> Result<()> {
     use smoe_compute::gpu::bench::{bench_kernels, qwen3_shapes, BenchShape};
-    use smoe_compute::gpu::{GpuContext, MatVecTuning};
+    use smoe_compute::gpu::{GpuContext, MatVecTuning, Q4Decode};
     use smoe_vault::DType;
     let ctx = GpuContext::new().map_err(|e| anyhow::anyhow!("bench kernels needs a GPU: {e}"))?;
     if !a.json {
@@ -80,12 +88,25 @@ fn kernels(a: KernelArgs) -> Result<()> {
     let (mut rows, mut errors, mut copy, mut device) = (vec![], vec![], 0f64, String::new());
     // One shape at a time, so partial results show even if a later shape fails.
     for shape in &shapes {
-        let dtypes = [DType::Bf16, DType::Q8, DType::Q4, DType::Q2];
+        let (dtypes, tunings) = if a.sweep {
+            let mut t = vec![];
+            for q4 in [Q4Decode::FloatBits, Q4Decode::Int8Dot] {
+                for wg in [64, 128, 256] {
+                    for rows in [4, 8, 16, 32] {
+                        t.push(MatVecTuning { wg, rows, q4 });
+                    }
+                }
+            }
+            (vec![DType::Q4], t)
+        } else {
+            let all = vec![DType::Bf16, DType::Q8, DType::Q4, DType::Q2];
+            (all, vec![MatVecTuning::default()])
+        };
         let report = bench_kernels(
             &ctx,
             std::slice::from_ref(shape),
             &dtypes,
-            &[MatVecTuning::default()],
+            &tunings,
             a.iters,
         )?;
         if !a.json {
@@ -241,6 +262,27 @@ fn decode(a: DecodeArgs) -> Result<()> {
         tg_tps.push(decode_run(a.tg, r * a.tg)?);
     }
     let stats = a.store.finish(&engine);
+    let breakdown = if a.breakdown {
+        let mut runs = vec![("decode", a.tg)];
+        if a.pp > 0 {
+            runs.push(("prefill", a.pp));
+        }
+        let mut out = vec![];
+        for (what, n) in runs {
+            engine.model.profile_start()?;
+            if what == "decode" {
+                decode_run(n, 2_000_000)?;
+            } else {
+                let prompt: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+                engine.session(n).feed(&prompt, Logits::Last)?;
+            }
+            let p = engine.model.profile_take().expect("profiling was started");
+            out.push((what, n, p));
+        }
+        Some(out)
+    } else {
+        None
+    };
     let (tg, tg_lo, tg_hi) = median_spread(tg_tps);
     let touched = bytes_per_token(&engine);
     let bw_bound = copy / 2.0 * 1e9 / touched as f64; // reads only: half the copy traffic
@@ -270,7 +312,15 @@ fn decode(a: DecodeArgs) -> Result<()> {
         "hit_rate": stats.as_ref().map(|s| s.hit_rate),
         "read_gb_per_s": stats.as_ref().map(|s| s.read_gb_per_s),
         "cache_budget_bytes": stats.as_ref().map(|s| s.cache_budget),
+        "breakdown": breakdown.as_ref().map(|b| b.iter().map(|(what, n, p)| breakdown_json(what, *n, p)).collect::<Vec<_>>()),
     });
+    if let Some(b) = &breakdown {
+        if !a.json {
+            for (what, n, p) in b {
+                print_breakdown(what, *n, p);
+            }
+        }
+    }
     if a.json {
         println!("{report}");
         return Ok(());
@@ -299,4 +349,57 @@ fn decode(a: DecodeArgs) -> Result<()> {
         (None, _) => println!("experts resident (memory-mapped); disk {:.2} GB/s direct", disk.unwrap_or(0.0)),
     }
     Ok(())
+}
+
+fn breakdown_json(
+    what: &str,
+    tokens: usize,
+    p: &smoe_engine::model::gpu_decoder::GpuProfile,
+) -> serde_json::Value {
+    let per = |ns: f64| ns / 1e3 / tokens as f64;
+    let gpu: f64 = p.steps.iter().map(|s| s.1).sum();
+    serde_json::json!({
+        "run": what, "tokens": tokens,
+        "wall_us_per_token": per(p.wall_ns),
+        "gpu_us_per_token": per(gpu),
+        "host_record_us_per_token": per(p.record_ns),
+        "untimed_steps": p.dropped,
+        "steps": p.steps.iter().map(|(l, ns, c)| serde_json::json!({
+            "step": l, "us_per_token": per(*ns), "share_of_gpu": ns / gpu.max(1.0),
+            "dispatch_groups_per_token": *c as f64 / tokens as f64,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// Where a run's time went, per token: GPU time per step (from timestamps), host recording.
+fn print_breakdown(what: &str, tokens: usize, p: &smoe_engine::model::gpu_decoder::GpuProfile) {
+    let per = |ns: f64| ns / 1e3 / tokens as f64;
+    let gpu: f64 = p.steps.iter().map(|s| s.1).sum();
+    println!(
+        "\n{what} breakdown ({tokens} tokens): wall {:.1} µs/token, GPU {:.1} µs/token ({:.0}% of wall), host recording {:.1} µs/token",
+        per(p.wall_ns),
+        per(gpu),
+        100.0 * gpu / p.wall_ns.max(1.0),
+        per(p.record_ns)
+    );
+    let mut steps = p.steps.clone();
+    steps.sort_by(|a, b| b.1.total_cmp(&a.1));
+    println!(
+        "  {:<24} {:>12} {:>8} {:>14}",
+        "step", "µs/token", "share", "calls/token"
+    );
+    for (label, ns, calls) in steps {
+        println!(
+            "  {label:<24} {:>12.1} {:>7.1}% {:>14.1}",
+            per(ns),
+            100.0 * ns / gpu.max(1.0),
+            calls as f64 / tokens as f64
+        );
+    }
+    if p.dropped > 0 {
+        println!(
+            "  ({} steps untimed: more than a submission's timestamp capacity)",
+            p.dropped
+        );
+    }
 }

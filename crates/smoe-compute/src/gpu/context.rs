@@ -52,6 +52,10 @@ impl fmt::Display for GpuInfo {
             (wgpu::Features::SUBGROUP, "SUBGROUP"),
             (wgpu::Features::SHADER_F16, "SHADER_F16"),
             (wgpu::Features::TIMESTAMP_QUERY, "TIMESTAMP_QUERY"),
+            (
+                wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES,
+                "TIMESTAMP_QUERY_INSIDE_PASSES",
+            ),
         ] {
             if self.features.contains(flag) {
                 feats.push(name);
@@ -115,8 +119,11 @@ impl GpuContext {
         if !have.contains(wgpu::Features::SUBGROUP) {
             return Err(GpuError::NoSubgroups(ainfo.name));
         }
-        let wanted =
-            wgpu::Features::SUBGROUP | wgpu::Features::SHADER_F16 | wgpu::Features::TIMESTAMP_QUERY;
+        // Timestamps inside passes: the per-step breakdown of `smoe bench decode --breakdown`.
+        let wanted = wgpu::Features::SUBGROUP
+            | wgpu::Features::SHADER_F16
+            | wgpu::Features::TIMESTAMP_QUERY
+            | wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES;
         let features = have & wanted;
         // Everything the adapter offers: big weight bindings and workgroup memory matter here.
         let limits = adapter.limits();

@@ -19,6 +19,7 @@ mod kernels;
 mod matvec;
 mod ops;
 mod router;
+mod timestamps;
 
 pub use attention::{AttnDesc, DecodeAttention, QkNormRope, QkNormRopeDesc};
 pub use buffers::{BufRef, StepParams};
@@ -27,6 +28,7 @@ pub use kernels::{kernel_names, kernel_source};
 pub use matvec::{Grouped, MatVec, MatVecDesc, MatVecTuning, Q4Decode, WeightRef};
 pub use ops::{Argmax, EltOp, Eltwise, RmsNorm, WeightedSum};
 pub use router::Router;
+pub use timestamps::Timestamps;
 /// The wgpu this backend is built on, for callers that create buffers and encoders.
 pub use wgpu;
 

@@ -4,6 +4,7 @@
 
 use super::acts::Acts;
 use super::gpu_err;
+use super::record::Recorder;
 use super::weights::Weights;
 use crate::error::EngineError;
 use smoe_compute::gpu::{wgpu, Argmax, BufRef, GpuContext, MatVec, MatVecDesc, RmsNorm};
@@ -50,18 +51,18 @@ impl Head {
     }
 
     /// Logits of the last row into `logits[0]`; with `greedy` also its argmax into `argmax`.
-    pub fn record_last(&self, pass: &mut wgpu::ComputePass<'_>, greedy: bool) {
-        self.last.0.record(pass);
-        self.last.1.record(pass);
+    pub fn record_last(&self, r: &mut Recorder, greedy: bool) {
+        r.step("final norm", &self.last.0);
+        r.step("lm head", &self.last.1);
         if greedy {
-            self.argmax.record(pass);
+            r.step("argmax", &self.argmax);
         }
     }
 
     /// Logits of every row into `logits`.
-    pub fn record_all(&self, pass: &mut wgpu::ComputePass<'_>) {
-        self.all.0.record(pass);
-        self.all.1.record(pass);
+    pub fn record_all(&self, r: &mut Recorder) {
+        r.step("final norm", &self.all.0);
+        r.step("lm head", &self.all.1);
     }
 }
 

@@ -5,6 +5,7 @@
 
 use super::acts::Acts;
 use super::layer::rope_inputs;
+use super::record::Recorder;
 use super::weights::Weights;
 use super::{batch_sizes, gpu_err};
 use crate::error::EngineError;
@@ -109,9 +110,9 @@ impl GpuKv {
     }
 
     /// Records layer `l`'s RoPE/append and attention for batch size index `bi`.
-    pub(crate) fn record(&self, bi: usize, l: usize, pass: &mut wgpu::ComputePass<'_>) {
+    pub(crate) fn record(&self, bi: usize, l: usize, r: &mut Recorder) {
         let (rope, attn) = &self.ops[bi][l];
-        rope.record(pass);
-        attn.record(pass);
+        r.step("qk-norm rope kv-append", rope);
+        r.step("attention", attn);
     }
 }

@@ -7,6 +7,7 @@
 
 use super::acts::Acts;
 use super::gpu_err;
+use super::record::{Dispatch, Recorder};
 use super::weights::{FfnW, LayerW, Mlp};
 use crate::error::EngineError;
 use smoe_compute::gpu::{
@@ -15,24 +16,23 @@ use smoe_compute::gpu::{
 };
 use smoe_vault::ModelConfig;
 
-/// A recorded dispatch of any kind.
-pub(crate) enum Op {
-    MatVec(MatVec),
-    Norm(RmsNorm),
-    Elt(Eltwise),
-    Sum(WeightedSum),
-    Route(Router),
+/// A recorded dispatch and the step of the layer it belongs to (the label of the time
+/// breakdown).
+pub(crate) struct Op {
+    pub step: &'static str,
+    pub kernel: Box<dyn Dispatch + Send + Sync>,
 }
 
 impl Op {
-    pub fn record(&self, pass: &mut smoe_compute::gpu::wgpu::ComputePass<'_>) {
-        match self {
-            Op::MatVec(k) => k.record(pass),
-            Op::Norm(k) => k.record(pass),
-            Op::Elt(k) => k.record(pass),
-            Op::Sum(k) => k.record(pass),
-            Op::Route(k) => k.record(pass),
+    fn new(step: &'static str, kernel: impl Dispatch + Send + Sync + 'static) -> Self {
+        Op {
+            step,
+            kernel: Box::new(kernel),
         }
+    }
+
+    pub fn record(&self, r: &mut Recorder) {
+        r.step(self.step, &*self.kernel);
     }
 }
 
@@ -91,6 +91,7 @@ struct B<'a> {
 impl B<'_> {
     fn mv(
         &self,
+        step: &'static str,
         w: WeightRef,
         up: Option<u64>,
         x: BufRef,
@@ -107,11 +108,12 @@ impl B<'_> {
             n_tokens,
             grouped,
         };
-        Ok(Op::MatVec(MatVec::new(self.ctx, &d).map_err(gpu_err)?))
+        Ok(Op::new(step, MatVec::new(self.ctx, &d).map_err(gpu_err)?))
     }
 
     fn norm(
         &self,
+        step: &'static str,
         x: BufRef,
         w: BufRef,
         y: BufRef,
@@ -119,30 +121,43 @@ impl B<'_> {
         rows: usize,
         eps: f32,
     ) -> Result<Op, EngineError> {
-        Ok(Op::Norm(
-            RmsNorm::new(self.ctx, x, w, y, width, rows, eps).map_err(gpu_err)?,
-        ))
+        let k = RmsNorm::new(self.ctx, x, w, y, width, rows, eps).map_err(gpu_err)?;
+        Ok(Op::new(step, k))
     }
 
-    fn elt(&self, y: BufRef, len: usize, op: EltOp) -> Result<Op, EngineError> {
-        Ok(Op::Elt(
+    fn elt(&self, step: &'static str, y: BufRef, len: usize, op: EltOp) -> Result<Op, EngineError> {
+        Ok(Op::new(
+            step,
             Eltwise::new(self.ctx, y, len, op).map_err(gpu_err)?,
         ))
     }
 
     /// x += weights[t·k + s] · y[t·k + s] over each token's k rows of y.
-    fn add_to_x(&self, y: BufRef, weights: BufRef, k: usize) -> Result<Op, EngineError> {
+    fn add_to_x(
+        &self,
+        step: &'static str,
+        y: BufRef,
+        weights: BufRef,
+        k: usize,
+    ) -> Result<Op, EngineError> {
         let a = self.a;
         let s = WeightedSum::new(self.ctx, BufRef::new(&a.x), y, weights, a.d.h, k, self.n);
-        Ok(Op::Sum(s.map_err(gpu_err)?))
+        Ok(Op::new(step, s.map_err(gpu_err)?))
     }
 
     /// out = down(silu(gate·hn) · up·hn) for a dense or shared MLP.
     fn mlp(&self, m: &Mlp, ops: &mut Vec<Op>) -> Result<(), EngineError> {
         let a = self.a;
         let (hn, gu, tmp) = (BufRef::new(&a.hn), BufRef::new(&a.gu), BufRef::new(&a.tmp));
-        ops.push(self.mv(m.gate_up.w(0), Some(m.up_offset()), hn, gu, None)?);
-        ops.push(self.mv(m.down.w(0), None, gu, tmp, None)?);
+        ops.push(self.mv(
+            "mlp gate_up",
+            m.gate_up.w(0),
+            Some(m.up_offset()),
+            hn,
+            gu,
+            None,
+        )?);
+        ops.push(self.mv("mlp down", m.down.w(0), None, gu, tmp, None)?);
         Ok(())
     }
 }
@@ -159,13 +174,13 @@ impl LayerOps {
         let d = a.d;
         let eps = c.rms_norm_eps as f32;
         let (x, hn) = (BufRef::new(&a.x), BufRef::new(&a.hn));
-        let mut pre = vec![b.norm(x, BufRef::new(&w.input_norm), hn, d.h, n, eps)?];
+        let mut pre = vec![b.norm("rms norm", x, BufRef::new(&w.input_norm), hn, d.h, n, eps)?];
         // q, k, v: one matvec over the three stacked matrices when a batch is one token.
         match w.qkv.fused().filter(|_| n == 1) {
-            Some(fw) => pre.push(b.mv(fw, None, hn, a.q(1), None)?),
+            Some(fw) => pre.push(b.mv("qkv", fw, None, hn, a.q(1), None)?),
             None => {
                 for (i, y) in [a.q(n), a.k(n), a.v(n)].into_iter().enumerate() {
-                    pre.push(b.mv(w.qkv.w(i), None, hn, y, None)?);
+                    pre.push(b.mv("qkv", w.qkv.w(i), None, hn, y, None)?);
                 }
             }
         }
@@ -180,32 +195,48 @@ impl LayerOps {
                     bias: BufRef::at(bias, 4 * at as u64),
                     len: width,
                 };
-                pre.push(b.elt(y, n * width, op)?);
+                pre.push(b.elt("qkv bias", y, n * width, op)?);
             }
         }
         if separate_norm(w, c) {
             let ((qn, lq), (kn, lk)) = w.qk_norm.as_ref().expect("checked by separate_norm");
-            pre.push(b.norm(a.q(n), BufRef::new(qn), a.qn(n), *lq, n * d.qw / lq, eps)?);
-            pre.push(b.norm(a.k(n), BufRef::new(kn), a.kn(n), *lk, n * d.kw / lk, eps)?);
+            pre.push(b.norm(
+                "qk norm",
+                a.q(n),
+                BufRef::new(qn),
+                a.qn(n),
+                *lq,
+                n * d.qw / lq,
+                eps,
+            )?);
+            pre.push(b.norm(
+                "qk norm",
+                a.k(n),
+                BufRef::new(kn),
+                a.kn(n),
+                *lk,
+                n * d.kw / lk,
+                eps,
+            )?);
         }
         if let Some(clip) = c.clip_qkv {
             let r = rope_inputs(w, a, c, n);
             for (y, width) in [(r.q, d.qw), (r.k, d.kw), (r.v, d.kw)] {
-                pre.push(b.elt(y, n * width, EltOp::Clamp(clip))?);
+                pre.push(b.elt("clip qkv", y, n * width, EltOp::Clamp(clip))?);
             }
         }
 
         let (tmp, ones) = (BufRef::new(&a.tmp), BufRef::new(&a.ones));
         let mut post = vec![
-            b.mv(w.o.w(0), None, BufRef::new(&a.attn), tmp, None)?,
-            b.add_to_x(tmp, ones, 1)?,
-            b.norm(x, BufRef::new(&w.post_norm), hn, d.h, n, eps)?,
+            b.mv("o proj", w.o.w(0), None, BufRef::new(&a.attn), tmp, None)?,
+            b.add_to_x("residual add", tmp, ones, 1)?,
+            b.norm("rms norm", x, BufRef::new(&w.post_norm), hn, d.h, n, eps)?,
         ];
         let mut experts_at = None;
         match &w.ffn {
             FfnW::Dense(m) => {
                 b.mlp(m, &mut post)?;
-                post.push(b.add_to_x(tmp, ones, 1)?);
+                post.push(b.add_to_x("residual add", tmp, ones, 1)?);
             }
             FfnW::Moe {
                 router,
@@ -218,9 +249,9 @@ impl LayerOps {
                     BufRef::new(&a.ids),
                     BufRef::new(&a.rw),
                 );
-                post.push(b.mv(router.w(0), None, hn, rlog, None)?);
+                post.push(b.mv("router", router.w(0), None, hn, rlog, None)?);
                 let route = Router::new(ctx, rlog, ids, rw, e.n, k, n, c.norm_topk_prob);
-                post.push(Op::Route(route.map_err(gpu_err)?));
+                post.push(Op::new("router top-k", route.map_err(gpu_err)?));
                 experts_at = Some(post.len());
                 // Slot t·k + s is token t's s-th expert: gate_up reads token t's input (k slots
                 // share it), down reads its slot's gate_up output.
@@ -235,20 +266,28 @@ impl LayerOps {
                 };
                 let (gu, eo) = (BufRef::new(&a.gu), BufRef::new(&a.eo));
                 post.push(b.mv(
+                    "experts gate_up",
                     e.gate.on(&e.buf),
                     Some(e.up_offset),
                     hn,
                     gu,
                     Some(grouped(k)),
                 )?);
-                post.push(b.mv(e.down.on(&e.buf), None, gu, eo, Some(grouped(1)))?);
-                post.push(b.add_to_x(eo, rw, k)?);
+                post.push(b.mv(
+                    "experts down",
+                    e.down.on(&e.buf),
+                    None,
+                    gu,
+                    eo,
+                    Some(grouped(1)),
+                )?);
+                post.push(b.add_to_x("experts sum", eo, rw, k)?);
                 if let Some((m, gate)) = shared {
                     b.mlp(m, &mut post)?;
                     let sg = BufRef::new(&a.sg);
-                    post.push(b.mv(gate.w(0), None, hn, sg, None)?);
-                    post.push(b.elt(sg, n, EltOp::Sigmoid)?);
-                    post.push(b.add_to_x(tmp, sg, 1)?);
+                    post.push(b.mv("shared gate", gate.w(0), None, hn, sg, None)?);
+                    post.push(b.elt("shared gate", sg, n, EltOp::Sigmoid)?);
+                    post.push(b.add_to_x("shared sum", tmp, sg, 1)?);
                 }
             }
         }

@@ -18,6 +18,7 @@ mod acts;
 mod head;
 mod kv;
 mod layer;
+mod record;
 mod weights;
 
 pub(crate) use acts::Acts;
@@ -25,6 +26,7 @@ pub(crate) use head::{extend_f32, Head, Readback};
 pub(crate) use kv::AttnCtx;
 pub use kv::GpuKv;
 pub(crate) use layer::LayerOps;
+pub(crate) use record::Recorder;
 pub(crate) use weights::Weights;
 
 use crate::error::EngineError;

@@ -16,14 +16,15 @@
 
 use super::{mat, Logits};
 use crate::error::EngineError;
-use crate::gpu::{self, Acts, GpuKv, Head, LayerOps, Readback, Weights, T_MAX};
+use crate::gpu::{self, Acts, GpuKv, Head, LayerOps, Readback, Recorder, Weights, T_MAX};
 use crate::kv_cache::KvCache;
 use crate::rope::RopeTable;
 use crate::store::{CacheBudget, Experts, StoreOptions};
-use smoe_compute::gpu::{wgpu, GpuContext};
+use smoe_compute::gpu::{wgpu, GpuContext, Timestamps};
 use smoe_vault::{ModelConfig, TensorData, Vault};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 pub struct GpuDecoder {
     pub cfg: ModelConfig,
@@ -48,6 +49,47 @@ pub struct GpuDecoder {
     pub experts: Experts,
     /// `--expert-cache` other than resident: each MoE layer has a few expert slots in VRAM.
     streaming: Option<Streaming>,
+    /// While profiling: timestamps after every step, accumulated per step label.
+    profiling: Mutex<Option<Profiling>>,
+}
+
+/// Where a forward pass's time goes, accumulated over the passes run while profiling
+/// (`GpuDecoder::profile_start` … `profile_take`).
+#[derive(Debug, Clone, Default)]
+pub struct GpuProfile {
+    /// (step, GPU time in ns, dispatch groups recorded), in first-seen order. The GPU time of a
+    /// step runs from the previous step's end to its own, so it includes any idle gap before it.
+    pub steps: Vec<(&'static str, f64, u64)>,
+    /// Host time spent recording and submitting command buffers, ns.
+    pub record_ns: f64,
+    /// Wall time of the forward calls, ns (host recording, GPU work, waits and read-backs).
+    pub wall_ns: f64,
+    /// Forward calls.
+    pub passes: u64,
+    /// Steps not timed because a submission had more than `Timestamps` can hold.
+    pub dropped: u64,
+}
+
+struct Profiling {
+    ts: Timestamps,
+    acc: GpuProfile,
+}
+
+impl Profiling {
+    /// After a submission completed: adds its marks to the totals.
+    fn collect(&mut self, ctx: &GpuContext, recorded: std::time::Duration) {
+        self.acc.record_ns += recorded.as_nanos() as f64;
+        self.acc.dropped += self.ts.dropped();
+        for (label, ns) in self.ts.collect(ctx) {
+            match self.acc.steps.iter_mut().find(|s| s.0 == label) {
+                Some(s) => {
+                    s.1 += ns;
+                    s.2 += 1;
+                }
+                None => self.acc.steps.push((label, ns, 1)),
+            }
+        }
+    }
 }
 
 /// GPU expert streaming. Per MoE layer the GPU holds `slots` expert blobs (at the blob stride);
@@ -179,6 +221,7 @@ impl GpuDecoder {
             running: Mutex::new(Vec::with_capacity(T_MAX * cfg.hidden_size)),
             experts,
             streaming,
+            profiling: Mutex::new(None),
             ctx: ctx.clone(),
             weights,
             acts,
@@ -264,6 +307,8 @@ impl GpuDecoder {
         }
         let gkv = kv.gpu.as_deref().expect("created above");
         let mut rows = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        let started = Instant::now();
+        let mut prof = self.profiling.lock().unwrap_or_else(|e| e.into_inner());
         let (h, vocab) = (c.hidden_size, c.vocab_size);
         let embed = mat(&self.embed);
         let mut greedy = None;
@@ -285,50 +330,59 @@ impl GpuDecoder {
             // Resident: the whole pass is one submission. Streaming: one per MoE layer, each
             // ending at the router (`stop`); the next resumes at the layer's expert dispatches.
             let (mut from, mut resume) = (0, false);
-            let mut enc = loop {
+            let (mut enc, recorded) = loop {
+                let recording = Instant::now();
                 let mut enc = self.ctx.encoder();
                 let mut stop = None;
                 {
-                    let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    let pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
                         label: Some("forward"),
                         timestamp_writes: None,
                     });
+                    let mut r = Recorder::new(pass, prof.as_mut().map(|p| &mut p.ts));
                     for (l, ops) in layers.iter().enumerate().skip(from) {
                         if resume {
                             resume = false;
                             let at = ops.experts_at.unwrap_or(ops.post.len());
-                            ops.post[at..].iter().for_each(|op| op.record(&mut pass));
+                            ops.post[at..].iter().for_each(|op| op.record(&mut r));
                             continue;
                         }
-                        ops.pre.iter().for_each(|op| op.record(&mut pass));
-                        gkv.record(n.trailing_zeros() as usize, l, &mut pass);
+                        ops.pre.iter().for_each(|op| op.record(&mut r));
+                        gkv.record(n.trailing_zeros() as usize, l, &mut r);
                         match ops.experts_at.filter(|_| self.streaming.is_some()) {
                             Some(at) => {
-                                ops.post[..at].iter().for_each(|op| op.record(&mut pass));
+                                ops.post[..at].iter().for_each(|op| op.record(&mut r));
                                 stop = Some(l);
                                 break;
                             }
-                            None => ops.post.iter().for_each(|op| op.record(&mut pass)),
+                            None => ops.post.iter().for_each(|op| op.record(&mut r)),
                         }
                     }
                     if stop.is_none() {
                         match end {
-                            End::Logits(Logits::All) => head.record_all(&mut pass),
-                            End::Logits(Logits::Last) if last => head.record_last(&mut pass, false),
-                            End::Greedy if last => head.record_last(&mut pass, true),
+                            End::Logits(Logits::All) => head.record_all(&mut r),
+                            End::Logits(Logits::Last) if last => head.record_last(&mut r, false),
+                            End::Greedy if last => head.record_last(&mut r, true),
                             _ => {}
                         }
                     }
                 }
+                if let Some(p) = prof.as_mut() {
+                    p.ts.resolve(&mut enc);
+                }
                 let (Some(l), Some(st)) = (stop, &self.streaming) else {
-                    break enc;
+                    break (enc, recording.elapsed());
                 };
                 let k = self.acts.d.k;
                 st.ids.copy(&mut enc, &self.acts.ids, 4 * (n * k) as u64);
                 q.submit([enc.finish()]);
+                let recorded = recording.elapsed();
                 let ids: Vec<u32> = st.ids.read(&self.ctx, 4 * (n * k) as u64, |b| {
                     bytemuck::pod_collect_to_vec(b)
                 })?;
+                if let Some(p) = prof.as_mut() {
+                    p.collect(&self.ctx, recorded);
+                }
                 let slots = self.fill_slots(st, l, &ids)?;
                 q.write_buffer(&self.acts.ids, 0, bytemuck::cast_slice(&slots));
                 (from, resume) = (l, true);
@@ -353,7 +407,14 @@ impl GpuDecoder {
                         .read(&self.ctx, bytes, |b| gpu::extend_f32(out, b))?;
                 }
             }
+            if let Some(p) = prof.as_mut() {
+                p.collect(&self.ctx, recorded);
+            }
             done += n;
+        }
+        if let Some(p) = prof.as_mut() {
+            p.acc.wall_ns += started.elapsed().as_nanos() as f64;
+            p.acc.passes += 1;
         }
         kv.len += tokens.len();
         if self.streaming.is_some() {
@@ -425,6 +486,31 @@ impl GpuDecoder {
             return Err(err);
         }
         Ok(used.iter().map(|&e| slot_of[e].expect("filled")).collect())
+    }
+
+    /// Starts timing every step of the following forward passes on the GPU (timestamp queries);
+    /// an error when the adapter cannot write timestamps inside compute passes.
+    pub fn profile_start(&self) -> Result<(), EngineError> {
+        let ts = Timestamps::new(&self.ctx).ok_or_else(|| {
+            EngineError::Backend(
+                "GPU: this adapter cannot write timestamps inside compute passes".into(),
+            )
+        })?;
+        *self.profiling.lock().unwrap_or_else(|e| e.into_inner()) = Some(Profiling {
+            ts,
+            acc: GpuProfile::default(),
+        });
+        Ok(())
+    }
+
+    /// Stops profiling and returns what was measured since `profile_start`.
+    pub fn profile_take(&self) -> Option<GpuProfile> {
+        let p = self
+            .profiling
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        p.map(|p| p.acc)
     }
 
     /// Streaming: VRAM slot hits and misses (distinct experts per layer and batch) since load.

@@ -86,6 +86,24 @@ impl Model {
         }
     }
 
+    /// Starts the GPU's per-step timing (`GpuDecoder::profile_start`); an error on the CPU.
+    pub fn profile_start(&self) -> Result<(), EngineError> {
+        match self {
+            Model::Gpu(m) => m.profile_start(),
+            Model::Decoder(_) => Err(EngineError::Backend(
+                "per-step timing needs the GPU backend".into(),
+            )),
+        }
+    }
+
+    /// What the GPU measured since `profile_start`.
+    pub fn profile_take(&self) -> Option<gpu_decoder::GpuProfile> {
+        match self {
+            Model::Gpu(m) => m.profile_take(),
+            Model::Decoder(_) => None,
+        }
+    }
+
     /// VRAM expert-slot (hits, misses) when the GPU backend streams experts.
     pub fn vram_slot_stats(&self) -> Option<(u64, u64)> {
         match self {

@@ -1,0 +1,55 @@
+//! Recording prepared dispatches into a compute pass, each under a step label, with a GPU
+//! timestamp after every step when the decoder is profiling (`GpuDecoder::profile`).
+
+use smoe_compute::gpu::{
+    wgpu, Argmax, DecodeAttention, Eltwise, MatVec, QkNormRope, RmsNorm, Router, Timestamps,
+    WeightedSum,
+};
+
+/// A prepared dispatch (or a few) that records into a compute pass.
+pub(crate) trait Dispatch {
+    fn record_into(&self, pass: &mut wgpu::ComputePass<'_>);
+}
+
+macro_rules! dispatch {
+    ($($t:ty),*) => {$(
+        impl Dispatch for $t {
+            fn record_into(&self, pass: &mut wgpu::ComputePass<'_>) {
+                self.record(pass)
+            }
+        }
+    )*};
+}
+dispatch!(
+    MatVec,
+    RmsNorm,
+    Eltwise,
+    WeightedSum,
+    Router,
+    Argmax,
+    QkNormRope,
+    DecodeAttention
+);
+
+/// An open compute pass and, when profiling, the timestamps to mark after each step.
+pub(crate) struct Recorder<'p, 't> {
+    pub pass: wgpu::ComputePass<'p>,
+    ts: Option<&'t mut Timestamps>,
+}
+
+impl<'p, 't> Recorder<'p, 't> {
+    pub fn new(pass: wgpu::ComputePass<'p>, mut ts: Option<&'t mut Timestamps>) -> Self {
+        let mut pass = pass;
+        if let Some(t) = ts.as_deref_mut() {
+            t.mark(&mut pass, "start");
+        }
+        Recorder { pass, ts }
+    }
+
+    pub fn step(&mut self, label: &'static str, d: &dyn Dispatch) {
+        d.record_into(&mut self.pass);
+        if let Some(t) = self.ts.as_deref_mut() {
+            t.mark(&mut self.pass, label);
+        }
+    }
+}
