@@ -1,9 +1,13 @@
 //! GB/s of the GPU matvec kernels at Qwen3-MoE shapes beside a copy kernel's, in one run.
-//! `bench_kernels [--quick] [--sweep] [--iters N]`: `--quick` uses small shapes (for lavapipe),
-//! `--sweep` adds launch-shape variants for q4, `--list` lists the adapters and exits.
+//! `bench_kernels [--quick] [--sweep] [--gemm-sweep] [--prefill] [--iters N]`: `--quick` uses
+//! small shapes (for lavapipe), `--sweep` adds launch-shape variants for q4, `--gemm-sweep` tile
+//! variants of the prefill GEMM, `--prefill` measures only the prefill shapes, `--list` lists
+//! the adapters and exits.
 
-use smoe_compute::gpu::bench::{bench_kernels, qwen3_shapes, BenchShape};
-use smoe_compute::gpu::{GpuContext, MatVecTuning, Q4Decode};
+use smoe_compute::gpu::bench::{
+    bench_gemm_tunings, bench_kernels, qwen3_prefill_shapes, qwen3_shapes, BenchShape,
+};
+use smoe_compute::gpu::{GpuContext, MatMulTuning, MatVecTuning, Q4Decode};
 use smoe_vault::quant::DType;
 
 fn main() {
@@ -42,7 +46,11 @@ fn main() {
         vec![
             BenchShape::dense("small", 512, 1024),
             BenchShape::experts("experts x8", 256, 1024, 8, 16),
+            BenchShape::prefill("small pf64", 512, 1024, 64),
+            BenchShape::prefill_experts("experts pf32", 128, 512, 32, 4, 16, true),
         ]
+    } else if has("--prefill") {
+        qwen3_prefill_shapes()
     } else {
         qwen3_shapes()
     };
@@ -57,6 +65,31 @@ fn main() {
         let report =
             bench_kernels(&ctx, std::slice::from_ref(shape), &dtypes, &variants, iters).unwrap();
         println!("{report}");
+    }
+    if has("--gemm-sweep") {
+        let mut tunings = vec![];
+        for (bm, bn, bk) in [
+            (128, 64, 16),
+            (128, 48, 16),
+            (128, 32, 16),
+            (128, 128, 16),
+            (128, 64, 32),
+            (64, 64, 16),
+        ] {
+            tunings.push(MatMulTuning { bm, bn, bk });
+        }
+        println!("prefill GEMM tile sweep:");
+        for shape in shapes.iter().filter(|s| s.tokens > 0) {
+            let report = bench_gemm_tunings(
+                &ctx,
+                std::slice::from_ref(shape),
+                &[DType::Q4, DType::Bf16],
+                &tunings,
+                iters,
+            )
+            .unwrap();
+            println!("{report}");
+        }
     }
     if has("--sweep") {
         let mut tunings = vec![];
@@ -76,9 +109,10 @@ fn main() {
         let sweep: Vec<BenchShape> = shapes
             .into_iter()
             .filter(|s| {
-                s.name.contains("lm_head")
-                    || s.name.contains("gate_up")
-                    || s.name.contains("q_proj")
+                s.tokens == 0
+                    && (s.name.contains("lm_head")
+                        || s.name.contains("gate_up")
+                        || s.name.contains("q_proj"))
             })
             .collect();
         println!("q4 launch-shape sweep:");

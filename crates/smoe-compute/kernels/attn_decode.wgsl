@@ -2,7 +2,9 @@
 // for any context length. Workgroup (split s, head h, token t) covers an equal share of token
 // t's positions 0..=pos0+t, or the last `window` of them (flash-decoding), tiling it WG positions at a time with an online
 // softmax, so no score array ever needs to fit in memory. It writes its partial output with
-// its running max m and sum l; attn_combine merges the splits.
+// its running max m and sum l; attn_combine merges the splits. With one split (DIRECT) the
+// workgroup writes the final output itself and no combine pass runs: one dependent dispatch
+// less per layer, which is what short-context decoding is made of.
 
 struct Params {
     n_heads: u32,
@@ -11,13 +13,15 @@ struct Params {
     n_split: u32,
     q_off: u32,  // vec4 index of token 0's queries (token stride n_heads·head_dim)
     kc_off: u32, // vec4 index of position 0 of the K cache
-    vc_off: u32, // f32 index of position 0 of the V cache
+    vc_off: u32, // vec4 index of position 0 of the V cache
     ml_off: u32, // f32 index in `part` where the (m, l) pairs start
     scale: f32,
     window: u32, // attend only to the last `window` positions; 0: all
-    _pad1: u32,
+    out_off: u32, // DIRECT: f32 index of token 0's output (token stride n_heads·head_dim)
     _pad2: u32,
 }
+
+override DIRECT: bool = false;
 
 struct Step {
     pos0: u32,
@@ -27,17 +31,23 @@ struct Step {
 }
 
 const HD_MAX: u32 = 512u;
-// Output dims per invocation: HD_MAX / WG, WG ≥ 128.
-const OD: u32 = 4u;
+// The V sum: invocation li handles vec4 of dims li % 32 (+ 32, 64, 96 for wider heads) over
+// every PG-th position of a tile, starting at li / 32; the PG partial sums are added at the end.
+// (One invocation per dim looping over all of a tile's positions made a 128-long dependent chain
+// per tile: the slowest part of decoding at short contexts.)
+const OD4: u32 = HD_MAX / 128u;
+override PG: u32 = WG / 32u;
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<uniform> step: Step;
 @group(0) @binding(2) var<storage, read> q: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read> kc: array<vec4<f32>>;
-@group(0) @binding(4) var<storage, read> vc: array<f32>;
+@group(0) @binding(4) var<storage, read> vc: array<vec4<f32>>;
 @group(0) @binding(5) var<storage, read_write> part: array<f32>;
+@group(0) @binding(6) var<storage, read_write> out: array<f32>;
 
 var<workgroup> qs: array<vec4<f32>, 128>;
+var<workgroup> vred: array<vec4<f32>, PG * 128u>;
 var<workgroup> sc: array<f32, WG>;
 
 @compute @workgroup_size(WG)
@@ -69,7 +79,10 @@ fn main(
     workgroupBarrier();
     var m = NEG_BIG;
     var l = 0.0;
-    var o: array<f32, OD>;
+    var o: array<vec4<f32>, OD4>;
+    let dv = li % 32u;
+    let pg = li / 32u;
+    let kvw4 = kvw / 4u;
     for (var tile = p0; tile < p1; tile += WG) {
         let pos = tile + li;
         var score = NEG_BIG;
@@ -88,13 +101,13 @@ fn main(
         let alpha = exp(m - mn);
         l = l * alpha + wg_sum(pj, sg, nsg, lane);
         let cnt = min(WG, p1 - tile);
-        for (var j = 0u; j < OD; j++) {
-            let d = li + j * WG;
-            if d < hd {
+        for (var j = 0u; j < OD4; j++) {
+            let d4 = dv + 32u * j;
+            if d4 < hd4 {
                 var acc = o[j] * alpha;
-                let vb = p.vc_off + tile * kvw + kvh * hd + d;
-                for (var c = 0u; c < cnt; c++) {
-                    acc += sc[c] * vc[vb + c * kvw];
+                let vb = p.vc_off + tile * kvw4 + kvh * hd4 + d4;
+                for (var c = pg; c < cnt; c += PG) {
+                    acc += sc[c] * vc[vb + c * kvw4];
                 }
                 o[j] = acc;
             }
@@ -102,15 +115,34 @@ fn main(
         m = mn;
         // The next tile rewrites sc only after its wg_max barriers: no extra barrier needed.
     }
-    let base = (t * p.n_heads + h) * p.n_split + s;
-    for (var j = 0u; j < OD; j++) {
-        let d = li + j * WG;
-        if d < hd {
-            part[base * hd + d] = o[j];
+    // Add up the PG position groups' partial sums.
+    for (var j = 0u; j < OD4; j++) {
+        let d4 = dv + 32u * j;
+        if d4 < hd4 {
+            vred[pg * 128u + d4] = o[j];
         }
     }
-    if li == 0u {
-        part[p.ml_off + 2u * base] = m;
-        part[p.ml_off + 2u * base + 1u] = l;
+    workgroupBarrier();
+    let row = (t * p.n_heads + h) * p.n_split + s;
+    for (var d4 = li; d4 < hd4; d4 += WG) {
+        var v = vec4<f32>(0.0);
+        for (var g = 0u; g < PG; g++) {
+            v += vred[g * 128u + d4];
+        }
+        if DIRECT {
+            v /= l;
+        }
+        for (var e = 0u; e < 4u; e++) {
+            let d = 4u * d4 + e;
+            if DIRECT {
+                out[p.out_off + (t * p.n_heads + h) * hd + d] = v[e];
+            } else {
+                part[row * hd + d] = v[e];
+            }
+        }
+    }
+    if !DIRECT && li == 0u {
+        part[p.ml_off + 2u * row] = m;
+        part[p.ml_off + 2u * row + 1u] = l;
     }
 }

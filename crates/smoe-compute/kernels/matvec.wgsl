@@ -10,6 +10,12 @@
 // time, so any width fits. Dequantization is an epilogue per chunk: integer codes are dotted with
 // x, then scaled by the group's d (q2: plus m·Σx). Storage layout: smoe_vault::quant.
 //
+// Fusions (override constants, so an unfused dispatch pays nothing): NORM stages RMSNorm(x)·nw
+// instead of x (every workgroup recomputes each token's sum of squares: a read of x it stages
+// anyway, instead of a dependent dispatch); ACCUM adds the result to y (a residual add); REDUCE
+// (with GROUPED) sums the k slots of each output row with weights rw: y[t] = Σ_j rw[t·k + j] ·
+// W_{ids[t·k + j]} · x[t·k + j], the weighted sum of a token's routed experts.
+//
 // Staged layout: the VPC vec4s of x that chunk k needs are stored "chunk-minor", vec4 i of chunk
 // k of token t at (t·VPC + i)·NCH + k, so the lanes of a subgroup, which work on consecutive
 // chunks, read consecutive vec4s: no bank conflicts. (In x's natural order a q4 chunk's inputs
@@ -33,6 +39,10 @@ struct Params {
     y_slot: u32,
     ids_off: u32,
     x_div: u32,        // consecutive slots that share one x (the k experts of one token); >= 1
+    nw_off: u32,       // NORM: vec4 index of the norm weight
+    eps: f32,          // NORM
+    rw_off: u32,       // REDUCE: f32 index of slot 0's weight
+    k_red: u32,        // REDUCE: slots per output row
 }
 
 override DTYPE: u32 = 2u; // 0 bf16, 1 q8, 2 q4, 3 q2; q4 variants: 4 float bits, 5 int8 dot (see chunk)
@@ -42,6 +52,9 @@ override ROWS: u32 = 16u; // rows per workgroup
 override WG: u32 = 128u;
 override GATED: bool = false;
 override GROUPED: bool = false;
+override NORM: bool = false;
+override ACCUM: bool = false;
+override REDUCE: bool = false;
 // vec4s of x per 16-byte chunk of codes: 8, 16, 32 or 64 inputs.
 override VPC: u32 = select(select(select(16u, 8u, DTYPE == 2u || DTYPE >= 4u), 4u, DTYPE == 1u), 2u, DTYPE == 0u);
 // Chunks per row and tile.
@@ -60,6 +73,8 @@ const NT_MAX: u32 = 8u;
 @group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
 @group(0) @binding(4) var<storage, read> ids: array<u32>;
+@group(0) @binding(5) var<storage, read> nw: array<vec4<f32>>;
+@group(0) @binding(6) var<storage, read> rw: array<f32>;
 
 var<workgroup> xs: array<vec4<f32>, XS_LEN>;
 // q4 variants: per (token, half, chunk), DTYPE 4: Σx of the chunk's 16 low- or high-nibble
@@ -71,6 +86,10 @@ var<workgroup> xq: array<u32, XQ_LEN>;
 var<workgroup> xd: array<f32, XD_LEN>;
 // Per (row, token): the gate (or only) sum and the up sum, accumulated over tiles.
 var<workgroup> part: array<f32, PART_LEN>;
+// NORM: per (token, subgroup) partial sums of squares, then each token's 1/rms.
+var<workgroup> ssq: array<f32, SSQ_LEN>;
+var<workgroup> inv_rms: array<f32, NT_MAX>;
+override SSQ_LEN: u32 = select(1u, NT * 64u, NORM);
 
 // Where vec4 i of chunk k sits in the tile's natural order (vec4 units).
 fn natural(k: u32, i: u32) -> u32 {
@@ -108,14 +127,15 @@ fn nib(q: u32, left: vec4<u32>, right: vec4<u32>) -> vec4<f32> {
 
 // Adds chunk c (row-relative; k within the tile), whose 16 bytes are q, of the row at vec4 index
 // rb to acc.
-fn chunk(q: vec4<u32>, rb: u32, c: u32, k: u32, acc: ptr<function, array<f32, NT_MAX>>) {
+// Only tokens ta..tb take part (all NT, or one slot under REDUCE); token t adds to acc[t − ta].
+fn chunk(q: vec4<u32>, rb: u32, c: u32, k: u32, ta: u32, tb: u32, acc: ptr<function, array<f32, NT_MAX>>) {
     switch DTYPE {
         case 0u: {
             // bf16 → f32 is a 16-bit shift.
             let a = bitcast<vec4<f32>>(vec4<u32>(q.x << 16u, q.x & 0xffff0000u, q.y << 16u, q.y & 0xffff0000u));
             let b = bitcast<vec4<f32>>(vec4<u32>(q.z << 16u, q.z & 0xffff0000u, q.w << 16u, q.w & 0xffff0000u));
-            for (var t = 0u; t < NT; t++) {
-                (*acc)[t] += dot(a, xv(t, 0u, k)) + dot(b, xv(t, 1u, k));
+            for (var t = ta; t < tb; t++) {
+                (*acc)[t - ta] += dot(a, xv(t, 0u, k)) + dot(b, xv(t, 1u, k));
             }
         }
         case 1u: {
@@ -125,9 +145,9 @@ fn chunk(q: vec4<u32>, rb: u32, c: u32, k: u32, acc: ptr<function, array<f32, NT
             let a1 = vec4<f32>(unpack4xI8(q.y));
             let a2 = vec4<f32>(unpack4xI8(q.z));
             let a3 = vec4<f32>(unpack4xI8(q.w));
-            for (var t = 0u; t < NT; t++) {
+            for (var t = ta; t < tb; t++) {
                 let s = dot(a0, xv(t, 0u, k)) + dot(a1, xv(t, 1u, k)) + dot(a2, xv(t, 2u, k)) + dot(a3, xv(t, 3u, k));
-                (*acc)[t] += d * s;
+                (*acc)[t - ta] += d * s;
             }
         }
         case 2u: {
@@ -143,7 +163,7 @@ fn chunk(q: vec4<u32>, rb: u32, c: u32, k: u32, acc: ptr<function, array<f32, NT
             let h1 = f4(unpack4xU8(hi.y));
             let h2 = f4(unpack4xU8(hi.z));
             let h3 = f4(unpack4xU8(hi.w));
-            for (var t = 0u; t < NT; t++) {
+            for (var t = ta; t < tb; t++) {
                 let x0 = xv(t, 0u, k);
                 let x1 = xv(t, 1u, k);
                 let x2 = xv(t, 2u, k);
@@ -155,7 +175,7 @@ fn chunk(q: vec4<u32>, rb: u32, c: u32, k: u32, acc: ptr<function, array<f32, NT
                 let s = dot(l0, x0) + dot(l1, x1) + dot(l2, x2) + dot(l3, x3)
                     + dot(h0, x4) + dot(h1, x5) + dot(h2, x6) + dot(h3, x7);
                 let sx = dot(x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7, vec4<f32>(1.0));
-                (*acc)[t] += d * (s - 8.0 * sx);
+                (*acc)[t - ta] += d * (s - 8.0 * sx);
             }
         }
         case 4u: {
@@ -175,11 +195,11 @@ fn chunk(q: vec4<u32>, rb: u32, c: u32, k: u32, acc: ptr<function, array<f32, NT
             let h1 = nib(q.y, hl, hr);
             let h2 = nib(q.z, hl, hr);
             let h3 = nib(q.w, hl, hr);
-            for (var t = 0u; t < NT; t++) {
+            for (var t = ta; t < tb; t++) {
                 let s = dot(l0, xv(t, 0u, k)) + dot(l1, xv(t, 1u, k)) + dot(l2, xv(t, 2u, k)) + dot(l3, xv(t, 3u, k))
                     + dot(h0, xv(t, 4u, k)) + dot(h1, xv(t, 5u, k)) + dot(h2, xv(t, 6u, k)) + dot(h3, xv(t, 7u, k));
                 let sx = xsum[2u * t * NCH + k] + xsum[(2u * t + 1u) * NCH + k];
-                (*acc)[t] += d * (16.0 * s - 24.0 * sx);
+                (*acc)[t - ta] += d * (16.0 * s - 24.0 * sx);
             }
         }
         case 5u: {
@@ -189,13 +209,13 @@ fn chunk(q: vec4<u32>, rb: u32, c: u32, k: u32, acc: ptr<function, array<f32, NT
             let d = unpack2x16float(word(rb, p.param_word + g / 2u))[g % 2u];
             let lo = q & vec4<u32>(0x0f0f0f0fu);
             let hi = (q >> vec4<u32>(4u)) & vec4<u32>(0x0f0f0f0fu);
-            for (var t = 0u; t < NT; t++) {
+            for (var t = ta; t < tb; t++) {
                 let s = dot4I8Packed(lo.x, xqv(t, 0u, k)) + dot4I8Packed(lo.y, xqv(t, 1u, k))
                     + dot4I8Packed(lo.z, xqv(t, 2u, k)) + dot4I8Packed(lo.w, xqv(t, 3u, k))
                     + dot4I8Packed(hi.x, xqv(t, 4u, k)) + dot4I8Packed(hi.y, xqv(t, 5u, k))
                     + dot4I8Packed(hi.z, xqv(t, 6u, k)) + dot4I8Packed(hi.w, xqv(t, 7u, k));
                 let sq = xsum[2u * t * NCH + k] + xsum[(2u * t + 1u) * NCH + k];
-                (*acc)[t] += d * xd[t * NG + k / 2u] * (f32(s) - 8.0 * sq);
+                (*acc)[t - ta] += d * xd[t * NG + k / 2u] * (f32(s) - 8.0 * sq);
             }
         }
         default: {
@@ -210,7 +230,7 @@ fn chunk(q: vec4<u32>, rb: u32, c: u32, k: u32, acc: ptr<function, array<f32, NT
                 cw[4u * i + 2u] = f4(unpack4xU8(b.z));
                 cw[4u * i + 3u] = f4(unpack4xU8(b.w));
             }
-            for (var t = 0u; t < NT; t++) {
+            for (var t = ta; t < tb; t++) {
                 var s = 0.0;
                 var sx = vec4<f32>(0.0);
                 for (var i = 0u; i < 16u; i++) {
@@ -218,7 +238,7 @@ fn chunk(q: vec4<u32>, rb: u32, c: u32, k: u32, acc: ptr<function, array<f32, NT
                     s += dot(cw[i], xi);
                     sx += xi;
                 }
-                (*acc)[t] += dm.x * s + dm.y * dot(sx, vec4<f32>(1.0));
+                (*acc)[t - ta] += dm.x * s + dm.y * dot(sx, vec4<f32>(1.0));
             }
         }
     }
@@ -235,6 +255,9 @@ fn stage(li: u32, xbase: u32, c0: u32, tc: u32, nt: u32) {
         var v = vec4<f32>(0.0);
         if t < nt && n < tc / 4u {
             v = x[xbase + t * p.x_tok + c0 / 4u + n];
+            if NORM {
+                v *= inv_rms[t] * nw[p.nw_off + c0 / 4u + n];
+            }
         }
         xs[d] = v;
     }
@@ -278,6 +301,48 @@ fn stage(li: u32, xbase: u32, c0: u32, tc: u32, nt: u32) {
     }
 }
 
+// NORM: 1/rms of each of the nt tokens' x rows (cols wide) into inv_rms.
+fn rms(li: u32, sg: u32, nsg: u32, lane: u32, xbase: u32, nt: u32) {
+    for (var t = 0u; t < NT; t++) {
+        var acc = 0.0;
+        if t < nt {
+            for (var i = li; i < p.cols / 4u; i += WG) {
+                let v = x[xbase + t * p.x_tok + i];
+                acc += dot(v, v);
+            }
+        }
+        let s = subgroupAdd(acc);
+        if lane == 0u {
+            ssq[t * 64u + sg] = s;
+        }
+    }
+    workgroupBarrier();
+    if li < NT {
+        var s = 0.0;
+        for (var j = 0u; j < nsg; j++) {
+            s += ssq[li * 64u + j];
+        }
+        inv_rms[li] = inverseSqrt(s / f32(p.cols) + p.eps);
+    }
+    workgroupBarrier();
+}
+
+// The dot products of `rows`' row `row` (at vec4 rb, row-relative chunks) with the staged
+// inputs of tokens ta..tb, added to acc.
+fn row_dot(rb: u32, cfirst: u32, nchunks: u32, lane: u32, ss: u32, ta: u32, tb: u32, acc: ptr<function, array<f32, NT_MAX>>) {
+    // Two chunks per step, both loaded before either is used: more bytes in flight.
+    var k = lane;
+    for (; k + ss < nchunks; k += 2u * ss) {
+        let qa = w[rb + cfirst + k];
+        let qb = w[rb + cfirst + k + ss];
+        chunk(qa, rb, cfirst + k, k, ta, tb, acc);
+        chunk(qb, rb, cfirst + k + ss, k + ss, ta, tb, acc);
+    }
+    if k < nchunks {
+        chunk(w[rb + cfirst + k], rb, cfirst + k, k, ta, tb, acc);
+    }
+}
+
 @compute @workgroup_size(WG)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -287,19 +352,27 @@ fn main(
     @builtin(subgroup_invocation_id) lane: u32,
     @builtin(subgroup_size) ss: u32,
 ) {
-    let slot = wid.y;
+    // The output row block: one slot, or (REDUCE) one token whose NT = k slots are staged like
+    // NT tokens (the host sets x_tok to the slot stride) and summed.
+    let oslot = wid.y;
     let t0 = wid.z * NT;
     let nt = min(NT, p.n_tok - t0);
     let row0 = wid.x * ROWS;
-    var mat = 0u;
-    if GROUPED {
-        mat = ids[p.ids_off + slot];
-    }
-    let wbase = p.w_off + mat * p.w_mat_stride;
-    let xbase = p.x_off + (slot / p.x_div) * p.x_slot + t0 * p.x_tok;
     let cv = 4u * VPC;
     for (var i = li; i < PART_LEN; i += WG) {
         part[i] = 0.0;
+    }
+    var mat = 0u;
+    if GROUPED && !REDUCE {
+        mat = ids[p.ids_off + oslot];
+    }
+    let wbase = p.w_off + mat * p.w_mat_stride;
+    var xbase = p.x_off + (oslot / p.x_div) * p.x_slot + t0 * p.x_tok;
+    if REDUCE {
+        xbase = p.x_off + oslot * NT * p.x_tok;
+    }
+    if NORM {
+        rms(li, sg, nsg, lane, xbase, nt);
     }
     for (var c0 = 0u; c0 < p.cols; c0 += TILE) {
         let tc = min(TILE, p.cols - c0);
@@ -308,35 +381,34 @@ fn main(
         stage(li, xbase, c0, tc, nt);
         let nchunks = tc / cv;
         let cfirst = c0 / cv;
+        if REDUCE {
+            // Work items (row, slot), each its own expert's row, spread over the subgroups.
+            for (var it = sg; it < ROWS * NT; it += nsg) {
+                let r = it % ROWS;
+                let t = it / ROWS;
+                let row = row0 + r;
+                if row < p.rows {
+                    let slot = oslot * NT + t;
+                    let rb = p.w_off + ids[p.ids_off + slot] * p.w_mat_stride + row * p.row_stride;
+                    var acc: array<f32, NT_MAX>;
+                    row_dot(rb, cfirst, nchunks, lane, ss, t, t + 1u, &acc);
+                    let s = subgroupAdd(acc[0]);
+                    if lane == 0u {
+                        part[2u * (r * NT + t)] += rw[p.rw_off + slot] * s;
+                    }
+                }
+            }
+            continue;
+        }
         for (var r = sg; r < ROWS; r += nsg) {
             let row = row0 + r;
             if row < p.rows {
                 var acc: array<f32, NT_MAX>;
                 var acc_up: array<f32, NT_MAX>;
                 let rb = wbase + row * p.row_stride;
-                // Two chunks per step, both loaded before either is used: more bytes in flight.
-                var k = lane;
-                for (; k + ss < nchunks; k += 2u * ss) {
-                    let qa = w[rb + cfirst + k];
-                    let qb = w[rb + cfirst + k + ss];
-                    chunk(qa, rb, cfirst + k, k, &acc);
-                    chunk(qb, rb, cfirst + k + ss, k + ss, &acc);
-                }
-                if k < nchunks {
-                    chunk(w[rb + cfirst + k], rb, cfirst + k, k, &acc);
-                }
+                row_dot(rb, cfirst, nchunks, lane, ss, 0u, NT, &acc);
                 if GATED {
-                    let ru = rb + p.w_up_off;
-                    k = lane;
-                    for (; k + ss < nchunks; k += 2u * ss) {
-                        let qa = w[ru + cfirst + k];
-                        let qb = w[ru + cfirst + k + ss];
-                        chunk(qa, ru, cfirst + k, k, &acc_up);
-                        chunk(qb, ru, cfirst + k + ss, k + ss, &acc_up);
-                    }
-                    if k < nchunks {
-                        chunk(w[ru + cfirst + k], ru, cfirst + k, k, &acc_up);
-                    }
+                    row_dot(rb + p.w_up_off, cfirst, nchunks, lane, ss, 0u, NT, &acc_up);
                 }
                 for (var t = 0u; t < NT; t++) {
                     let s = subgroupAdd(acc[t]);
@@ -354,6 +426,23 @@ fn main(
         }
     }
     workgroupBarrier();
+    if REDUCE {
+        for (var r = li; r < ROWS; r += WG) {
+            let row = row0 + r;
+            if row < p.rows {
+                var v = 0.0;
+                for (var t = 0u; t < NT; t++) {
+                    v += part[2u * (r * NT + t)];
+                }
+                let yi = p.y_off + oslot * p.y_slot + row;
+                if ACCUM {
+                    v += y[yi];
+                }
+                y[yi] = v;
+            }
+        }
+        return;
+    }
     for (var i = li; i < ROWS * NT; i += WG) {
         let r = i / NT;
         let t = i % NT;
@@ -363,7 +452,11 @@ fn main(
             if GATED {
                 v = v / (1.0 + exp(-v)) * part[2u * i + 1u];
             }
-            y[p.y_off + slot * p.y_slot + (t0 + t) * p.y_tok + row] = v;
+            let yi = p.y_off + oslot * p.y_slot + (t0 + t) * p.y_tok + row;
+            if ACCUM {
+                v += y[yi];
+            }
+            y[yi] = v;
         }
     }
 }

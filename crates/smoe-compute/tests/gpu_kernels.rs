@@ -5,6 +5,8 @@
 
 #[path = "gpu_kernels/attention.rs"]
 mod attention;
+#[path = "gpu_kernels/matmul.rs"]
+mod matmul;
 #[path = "gpu_kernels/matvec.rs"]
 mod matvec;
 #[path = "gpu_kernels/msl.rs"]

@@ -28,7 +28,8 @@ pub enum Backend {
 pub struct EngineOptions {
     /// Check every scout tensor's checksum at load (expert blobs are checked on first use).
     pub verify: bool,
-    /// Tokens per prefill chunk: bounds activation memory, keeps weight reads shared.
+    /// Tokens per prefill chunk: bounds activation memory, keeps weight reads shared (the GPU
+    /// reads each expert once per chunk for all the tokens that chose it).
     pub prefill_chunk: usize,
     /// Where routed experts live: memory-mapped, or streamed into a bounded cache.
     pub store: StoreOptions,
@@ -39,7 +40,7 @@ impl Default for EngineOptions {
     fn default() -> Self {
         EngineOptions {
             verify: true,
-            prefill_chunk: 256,
+            prefill_chunk: 512,
             store: StoreOptions::default(),
             backend: Backend::Cpu,
         }

@@ -99,8 +99,15 @@ fn kernels(a: KernelArgs) -> Result<()> {
             }
             (vec![DType::Q4], t)
         } else {
+            // The launch shape MatVec::new picks for this shape.
+            let grouped = shape.experts > 0;
+            let tune = match (grouped, shape.reduce) {
+                (true, true) => MatVecTuning::for_product(shape.rows, 1, true, true),
+                (true, false) => MatVecTuning::for_shape(shape.rows / 2, shape.experts, true),
+                (false, _) => MatVecTuning::for_shape(shape.rows, 1, false),
+            };
             let all = vec![DType::Bf16, DType::Q8, DType::Q4, DType::Q2];
-            (all, vec![MatVecTuning::default()])
+            (all, vec![tune])
         };
         let report = bench_kernels(
             &ctx,
@@ -232,15 +239,16 @@ fn decode(a: DecodeArgs) -> Result<()> {
         copy_gbps()
     };
     // Decode steps are fed a fixed pseudo-random token stream (each step still runs the LM head
-    // and an argmax): a random-weight model's own output collapses onto one token, which routes
+    // and the argmax): a random-weight model's own output collapses onto one token, which routes
     // every step to the same experts and would flatter any cache.
     let stream = |i: usize| ((i as u64 * 2654435761 + 97) % vocab as u64) as u32;
     let decode_run = |n: usize, offset: usize| -> Result<f64> {
         let mut s = engine.session(n + 1);
         let t = Instant::now();
+        // Greedy, as `generate --temperature 0`: on the GPU the argmax runs there and only the
+        // token id comes back.
         for i in 0..n {
-            let logits = s.feed(&[stream(offset + i)], Logits::Last)?;
-            std::hint::black_box(smoe_engine::sampler::argmax(&logits));
+            std::hint::black_box(s.feed_greedy(&[stream(offset + i)])?);
         }
         Ok(n as f64 / t.elapsed().as_secs_f64())
     };

@@ -14,8 +14,9 @@ pub struct Args {
     /// Storage type of the routed experts.
     #[arg(long, default_value = "q4", value_parser = ["bf16", "q8", "q4", "q2"])]
     quant: String,
-    /// Storage type of the dense tensors.
-    #[arg(long, default_value = "bf16", value_parser = ["bf16", "q8"])]
+    /// Storage type of the dense tensors (attention, embedding, LM head; the router stays
+    /// bf16). q4 matches llama.cpp's Q4_0 files, which quantize those too.
+    #[arg(long, default_value = "bf16", value_parser = ["bf16", "q8", "q4"])]
     scout: String,
     /// Skew expert popularity towards a Zipf law of about this exponent (0 = uniform routing,
     /// the cache's worst case; real models are skewed).

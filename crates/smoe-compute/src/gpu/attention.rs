@@ -163,7 +163,8 @@ struct DecodeParams {
     ml_off: u32,
     scale: f32,
     window: u32,
-    _pad: [u32; 2],
+    out_off: u32,
+    _pad: u32,
 }
 
 #[repr(C)]
@@ -179,7 +180,8 @@ struct CombineParams {
 
 pub struct DecodeAttention {
     split: Dispatch,
-    combine: Dispatch,
+    /// Merges the splits; `None` when there is one split, which writes the output directly.
+    combine: Option<Dispatch>,
     /// Partial outputs of the splits, created here at load time.
     _part: wgpu::Buffer,
 }
@@ -206,12 +208,18 @@ impl DecodeAttention {
             .bind(ctx, "attention k cache", a.capacity * kvw, 16)?;
         let (vb, vc_off) = a
             .v_cache
-            .bind(ctx, "attention v cache", a.capacity * kvw, 4)?;
+            .bind(ctx, "attention v cache", a.capacity * kvw, 16)?;
         // Enough splits to fill a big GPU at long contexts; each split covers ≥ ~512 positions
-        // of a full cache, so at short contexts most of their tiles are cheap or empty.
-        let n_split = a.capacity.div_ceil(512).clamp(1, 32);
+        // of a full cache, so at short contexts most of their tiles are cheap or empty. A batch
+        // of 16 or more tokens fills the GPU with its (head, token) workgroups alone.
+        let n_split = match a.n_tokens {
+            1..16 => a.capacity.div_ceil(512).clamp(1, 32),
+            _ => 1,
+        };
         let rows = a.n_tokens * a.n_heads * n_split;
-        let part = ctx.storage_buffer("attention partials", 4 * (rows * (hd + 2)) as u64);
+        // One split writes its output directly: no partials.
+        let part_len = if n_split == 1 { 4 } else { rows * (hd + 2) };
+        let part = ctx.storage_buffer("attention partials", 4 * part_len as u64);
         let ml_off = (rows * hd) as u32;
         let dp = DecodeParams {
             n_heads: a.n_heads as u32,
@@ -224,11 +232,30 @@ impl DecodeAttention {
             ml_off,
             scale: a.scale,
             window: a.window.unwrap_or(0) as u32,
-            _pad: [0; 2],
+            out_off,
+            _pad: 0,
         };
-        let bufs = [Binding::whole(a.step), qb, kb, vb, Binding::whole(&part)];
+        let direct = n_split == 1;
+        let unused = ctx.storage_buffer("attention (unused)", 16);
+        let out = if direct { ob } else { Binding::whole(&unused) };
+        let bufs = [
+            Binding::whole(a.step),
+            qb,
+            kb,
+            vb,
+            Binding::whole(&part),
+            out,
+        ];
         let groups = [n_split, a.n_heads, a.n_tokens];
-        let split = Dispatch::new(ctx, "attn_decode", &[("WG", 128.0)], &dp, &bufs, groups)?;
+        let consts = [("WG", 128.0), ("DIRECT", direct as u8 as f64)];
+        let split = Dispatch::new(ctx, "attn_decode", &consts, &dp, &bufs, groups)?;
+        if direct {
+            return Ok(DecodeAttention {
+                split,
+                combine: None,
+                _part: part,
+            });
+        }
         let cp = CombineParams {
             n_heads: a.n_heads as u32,
             head_dim: hd as u32,
@@ -238,14 +265,14 @@ impl DecodeAttention {
             _pad: [0; 3],
         };
         let groups = [a.n_heads, a.n_tokens, 1];
-        let combine = Dispatch::new(
+        let combine = Some(Dispatch::new(
             ctx,
             "attn_combine",
             &[],
             &cp,
             &[Binding::whole(&part), ob],
             groups,
-        )?;
+        )?);
         Ok(DecodeAttention {
             split,
             combine,
@@ -253,4 +280,17 @@ impl DecodeAttention {
         })
     }
 }
-recordable!(DecodeAttention, "attention", split, combine);
+impl DecodeAttention {
+    /// Records the kernel into an open compute pass.
+    pub fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
+        self.split.record(pass);
+        if let Some(c) = &self.combine {
+            c.record(pass);
+        }
+    }
+
+    /// Records the kernel into its own compute pass of `enc`.
+    pub fn encode(&self, enc: &mut wgpu::CommandEncoder) {
+        super::in_pass(enc, "attention", |p| self.record(p));
+    }
+}

@@ -7,6 +7,12 @@ const COMMON: &str = include_str!("../../kernels/common.wgsl");
 /// (name, source, needs common.wgsl)
 const KERNELS: &[(&str, &str, bool)] = &[
     ("matvec", include_str!("../../kernels/matvec.wgsl"), false),
+    ("matmul", include_str!("../../kernels/matmul.wgsl"), false),
+    (
+        "expert_sort",
+        include_str!("../../kernels/expert_sort.wgsl"),
+        false,
+    ),
     (
         "rms_norm",
         include_str!("../../kernels/rms_norm.wgsl"),

@@ -3,6 +3,7 @@
 
 use super::buffers::{Binding, BufRef};
 use super::context::{GpuContext, GpuError};
+use super::parts::split_rows;
 use smoe_vault::quant::DType;
 
 /// A weight matrix `[rows, cols]` in a vault storage type, stored at `offset` (a multiple of 16)
@@ -49,6 +50,21 @@ pub struct MatVecDesc<'a> {
     pub grouped: Option<Grouped<'a>>,
 }
 
+/// Work fused into a matrix product, saving the dependent dispatches it would otherwise take
+/// (on an H200 each costs 5–10 µs however small: decode is a chain of them).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Fuse<'a> {
+    /// RMSNorm the input first: `x · rsqrt(mean(x²) + eps) · weight` per token (`weight`: `cols`
+    /// f32 at a 16-byte aligned offset). Every workgroup recomputes the token's norm.
+    pub norm: Option<(BufRef<'a>, f32)>,
+    /// `y += W·x` instead of `y = W·x`: a residual add.
+    pub accumulate: bool,
+    /// Grouped only: the `k` consecutive slots of each output row are summed with weights
+    /// (`[n_slots]` f32, e.g. the router's): `y[t] = Σ_j w[t·k + j] · W_{ids[t·k + j]} · x[t·k + j]`,
+    /// so `y` holds `n_slots / k` rows. Not with gated products.
+    pub reduce: Option<(BufRef<'a>, usize)>,
+}
+
 #[repr(C)]
 #[derive(Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
 struct Params {
@@ -68,6 +84,10 @@ struct Params {
     y_slot: u32,
     ids_off: u32,
     x_div: u32,
+    nw_off: u32,
+    eps: f32,
+    rw_off: u32,
+    k_red: u32,
 }
 
 /// Launch shape and decoding choices; `Default` is what `MatVec::new` uses. Exposed so that
@@ -97,9 +117,41 @@ pub enum Q4Decode {
 impl Default for MatVecTuning {
     fn default() -> Self {
         MatVecTuning {
-            wg: 128,
+            wg: 256,
             rows: 16,
             q4: Q4Decode::FloatBits,
+        }
+    }
+}
+
+impl MatVecTuning {
+    /// What `MatVec::new` uses for `rows` output rows in each of `slots` slots: 256 invocations,
+    /// and the most rows per workgroup that still leaves ≥ 256 workgroups to spread over the
+    /// GPU (at most 16 for grouped products). From `smoe bench kernels --sweep` on an H200
+    /// (2026-11-30): 32 rows for the LM head (45.6 % of copy vs 38.8 % with 16), 8 for a
+    /// 2048-row projection, 16 for 8 grouped experts; 256 invocations beat 128 and 64 at every
+    /// shape.
+    pub fn for_shape(rows: usize, slots: usize, grouped: bool) -> Self {
+        Self::for_product(rows, slots, grouped, false)
+    }
+
+    /// As `for_shape`, for `out_slots` outputs of `rows` rows; `reduce`: each output sums k
+    /// experts' rows, which a workgroup's subgroups share as (row, expert) items, so it takes
+    /// at most 4 rows (8 would chain 8 dependent row reads per subgroup).
+    pub fn for_product(rows: usize, out_slots: usize, grouped: bool, reduce: bool) -> Self {
+        let units = rows * out_slots;
+        let cap = match (grouped, reduce) {
+            (_, true) => 4,
+            (true, false) => 16,
+            (false, false) => 32,
+        };
+        let rows = [32, 16, 8]
+            .into_iter()
+            .find(|&r| r <= cap && units / r as usize >= 256)
+            .unwrap_or(4);
+        MatVecTuning {
+            rows,
+            ..Self::default()
         }
     }
 }
@@ -133,24 +185,42 @@ fn dtype_code(d: DType, t: MatVecTuning) -> Result<f64, GpuError> {
     })
 }
 
-fn check_fits(what: &str, buf: &wgpu::Buffer, end: u64) -> Result<(), GpuError> {
-    if end > buf.size() {
-        return Err(GpuError::Shape(format!(
-            "{what}: needs {end} bytes, buffer has {}",
-            buf.size()
-        )));
-    }
-    Ok(())
-}
-
 impl MatVec {
     pub fn new(ctx: &GpuContext, d: &MatVecDesc) -> Result<Self, GpuError> {
-        Self::with_tuning(ctx, d, MatVecTuning::default())
+        Self::fused(ctx, d, &Fuse::default())
+    }
+
+    /// A product with `f`'s work fused in, at the launch shape `MatVecTuning::for_shape` picks.
+    pub fn fused(ctx: &GpuContext, d: &MatVecDesc, f: &Fuse) -> Result<Self, GpuError> {
+        let slots = d.grouped.map_or(1, |g| g.n_slots);
+        let out_slots = slots / f.reduce.map_or(1, |r| r.1.max(1));
+        let grouped = d.grouped.is_some();
+        let tune = MatVecTuning::for_product(d.w.rows, out_slots, grouped, f.reduce.is_some());
+        Self::build(ctx, d, f, tune)
     }
 
     pub fn with_tuning(
         ctx: &GpuContext,
         d: &MatVecDesc,
+        tune: MatVecTuning,
+    ) -> Result<Self, GpuError> {
+        Self::build(ctx, d, &Fuse::default(), tune)
+    }
+
+    /// `fused` at a given launch shape (for benchmarks).
+    pub fn fused_tuned(
+        ctx: &GpuContext,
+        d: &MatVecDesc,
+        f: &Fuse,
+        tune: MatVecTuning,
+    ) -> Result<Self, GpuError> {
+        Self::build(ctx, d, f, tune)
+    }
+
+    fn build(
+        ctx: &GpuContext,
+        d: &MatVecDesc,
+        f: &Fuse,
         tune: MatVecTuning,
     ) -> Result<Self, GpuError> {
         let w = d.w;
@@ -166,7 +236,29 @@ impl MatVec {
             return Err(err("up offset must be a multiple of 16".into()));
         }
         let stride = w.dtype.row_stride(w.cols) as u64;
-        let nt = d.n_tokens.min(NT_MAX);
+        // A reduce stages its k slots' inputs as the workgroup's "tokens".
+        let k_red = match f.reduce {
+            Some((_, k)) => {
+                let slots = d.grouped.map_or(0, |g| g.n_slots);
+                if d.grouped.is_none() || d.up_offset.is_some() || f.norm.is_some() {
+                    return Err(err(format!(
+                        "a reduce over {k} slots needs a grouped, ungated product without a norm"
+                    )));
+                }
+                if k == 0 || k > NT_MAX || slots % k != 0 || d.n_tokens != 1 {
+                    return Err(err(format!(
+                        "{slots} slots of {} tokens do not reduce in groups of {k} (1..={NT_MAX})",
+                        d.n_tokens
+                    )));
+                }
+                k
+            }
+            None => 1,
+        };
+        let nt = match f.reduce {
+            Some(_) => k_red,
+            None => d.n_tokens.min(NT_MAX),
+        };
         let tile = (STAGE_FLOATS / nt / 64 * 64).min(w.cols.next_multiple_of(64));
         let pipeline = ctx.pipeline(
             "matvec",
@@ -178,6 +270,9 @@ impl MatVec {
                 ("WG", tune.wg as f64),
                 ("GATED", d.up_offset.is_some() as u8 as f64),
                 ("GROUPED", d.grouped.is_some() as u8 as f64),
+                ("NORM", f.norm.is_some() as u8 as f64),
+                ("ACCUM", f.accumulate as u8 as f64),
+                ("REDUCE", f.reduce.is_some() as u8 as f64),
             ],
         )?;
         let (n_slots, n_mats, mat_stride, x_per_slot, x_div) = match d.grouped {
@@ -195,6 +290,7 @@ impl MatVec {
                 "group stride must be a multiple of 16 and slots > 0".into()
             ));
         }
+        let out_slots = n_slots / k_red;
         let (xs_slot, ys_slot) = (d.n_tokens * w.cols, d.n_tokens * w.rows);
         let x_slots = if x_per_slot {
             n_slots.div_ceil(x_div)
@@ -202,7 +298,22 @@ impl MatVec {
             1
         };
         let (xb, x_off) = d.x.bind(ctx, "matvec x", x_slots * xs_slot, 16)?;
-        let (yb, y_off) = d.y.bind(ctx, "matvec y", n_slots * ys_slot, 4)?;
+        let (yb, y_off) = d.y.bind(ctx, "matvec y", out_slots * ys_slot, 4)?;
+        let unused;
+        let (nb, nw_off, eps) = match f.norm {
+            Some((nw, eps)) => {
+                let (b, off) = nw.bind(ctx, "matvec norm weight", w.cols, 16)?;
+                (b, off, eps)
+            }
+            None => {
+                unused = ctx.storage_buffer("matvec (unused)", 16);
+                (Binding::whole(&unused), 0, 0.0)
+            }
+        };
+        let (rb, rw_off) = match f.reduce {
+            Some((rw, _)) => rw.bind(ctx, "matvec reduce weights", n_slots, 4)?,
+            None => (nb, 0),
+        };
         let ids_fallback;
         let (ib, ids_off) = match d.grouped {
             Some(g) => BufRef::at(g.ids, g.ids_offset).bind(ctx, "matvec ids", n_slots, 4)?,
@@ -213,52 +324,42 @@ impl MatVec {
         };
 
         // Split rows so that each part's weight range fits one storage binding.
-        let limits = ctx.limits();
-        let align = limits.min_storage_buffer_offset_alignment as u64;
-        let max_bind = limits
-            .max_storage_buffer_binding_size
-            .min(u32::MAX as u64 / 4 * 16);
         let extra = (n_mats as u64 - 1) * mat_stride + d.up_offset.unwrap_or(0);
-        let span = |rows: u64| rows * stride + extra + align;
-        let mut rows_per_part = w.rows as u64;
-        while span(rows_per_part) > max_bind {
-            if d.grouped.is_some() || rows_per_part == 1 {
-                return Err(err(format!(
-                    "does not fit a storage binding of {max_bind} bytes"
-                )));
-            }
-            rows_per_part = rows_per_part.div_ceil(2);
-        }
-        check_fits(
-            "matvec weights",
-            w.buffer,
-            w.offset + w.rows as u64 * stride + extra,
-        )?;
-        let max_wg = limits.max_compute_workgroups_per_dimension as u64;
+        let split = split_rows(ctx, &w, extra, d.grouped.is_none(), "matvec weights", &err)?;
+        let max_wg = ctx.limits().max_compute_workgroups_per_dimension as u64;
         let mut parts = vec![];
-        let mut r0 = 0u64;
-        while r0 < w.rows as u64 {
-            let rows = rows_per_part.min(w.rows as u64 - r0);
-            let start = w.offset + r0 * stride;
-            let base = start / align * align;
-            let end = start + rows * stride + extra;
+        for part in split {
+            let (r0, rows) = (part.r0, part.rows);
             let params = Params {
                 rows: rows as u32,
                 cols: w.cols as u32,
-                n_tok: d.n_tokens as u32,
+                n_tok: if f.reduce.is_some() {
+                    k_red
+                } else {
+                    d.n_tokens
+                } as u32,
                 row_stride: (stride / 16) as u32,
-                w_off: ((start - base) / 16) as u32,
+                w_off: part.w_off,
                 w_mat_stride: (mat_stride / 16) as u32,
                 w_up_off: (d.up_offset.unwrap_or(0) / 16) as u32,
                 param_word: (w.dtype.code_bytes(w.cols) / 4) as u32,
                 x_off,
-                x_tok: (w.cols / 4) as u32,
+                // A reduce's "tokens" are its slots.
+                x_tok: if f.reduce.is_some() {
+                    xs_slot / 4
+                } else {
+                    w.cols / 4
+                } as u32,
                 x_slot: if x_per_slot { (xs_slot / 4) as u32 } else { 0 },
                 y_off: y_off + r0 as u32,
                 y_tok: w.rows as u32,
                 y_slot: ys_slot as u32,
                 ids_off,
                 x_div: x_div as u32,
+                nw_off,
+                eps,
+                rw_off,
+                k_red: k_red as u32,
             };
             let pbuf = ctx.uniform("matvec params", &params);
             let bind = ctx.bind_group(
@@ -266,21 +367,22 @@ impl MatVec {
                 &pipeline,
                 &[
                     Binding::whole(&pbuf).entry(0),
-                    Binding {
-                        buffer: w.buffer,
-                        base,
-                        size: Some(end - base),
-                    }
-                    .entry(1),
+                    part.binding(&w).entry(1),
                     xb.entry(2),
                     yb.entry(3),
                     ib.entry(4),
+                    nb.entry(5),
+                    rb.entry(6),
                 ],
             )?;
             let groups = [
                 rows.div_ceil(tune.rows as u64),
-                n_slots as u64,
-                d.n_tokens.div_ceil(nt) as u64,
+                out_slots as u64,
+                if f.reduce.is_some() {
+                    1
+                } else {
+                    d.n_tokens.div_ceil(nt)
+                } as u64,
             ];
             if groups.iter().any(|g| *g > max_wg) {
                 return Err(err(format!(
@@ -288,7 +390,6 @@ impl MatVec {
                 )));
             }
             parts.push((bind, groups.map(|g| g as u32)));
-            r0 += rows;
         }
         Ok(MatVec { pipeline, parts })
     }

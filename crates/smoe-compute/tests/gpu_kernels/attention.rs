@@ -133,6 +133,9 @@ fn decode_attention_matches_cpu_any_context() {
         (6, 3, 128, 2, 5000, 5003, None),
         (8, 2, 64, 3, 1000, 1100, Some(128)),
         (4, 4, 64, 2, 10, 20, Some(100)),
+        // One split (capacity ≤ 512: the direct path, no combine) over several tiles.
+        (8, 2, 64, 2, 300, 400, None),
+        (8, 2, 128, 1, 450, 512, Some(200)),
     ] {
         let kw = nkv * hd;
         let seed = (nh * 7 + pos0) as u64;

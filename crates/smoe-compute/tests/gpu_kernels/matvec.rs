@@ -335,3 +335,259 @@ fn matvec_q4_int8_activations() {
         assert_close(&format!("{what} vs f32 twin"), &got, &exact, 1e-3);
     }
 }
+
+/// Fused work (`MatVec::fused`): RMSNorm of the input, a residual add into y, and the weighted
+/// sum of each token's grouped experts, against the CPU doing them as separate steps.
+#[test]
+fn matvec_fused_norm_accumulate_reduce() {
+    use smoe_compute::cpu::ops::rms_norm;
+    use smoe_compute::gpu::Fuse;
+    let Some(ctx) = gpu() else { return };
+    let eps = 1e-6;
+    for (i, dtype) in DTYPES.into_iter().enumerate() {
+        // Plain and gated products of normed inputs, added to y; widths over one staging tile.
+        for (rows, cols, nt, gated) in [
+            (33, 192, 1, false),
+            (70, 4160, 3, false),
+            (40, 320, 2, true),
+        ] {
+            let seed = 700 + 10 * i as u64 + cols as u64;
+            let g = quantize_matrix(dtype, &rand_vec(rows * cols, seed, 1.0), rows, cols);
+            let u = quantize_matrix(dtype, &rand_vec(rows * cols, seed + 1, 1.0), rows, cols);
+            // Large inputs, so the norm matters.
+            let x = rand_vec(nt * cols, seed + 2, 30.0);
+            let nw = rand_vec(cols, seed + 3, 2.0);
+            let y0 = rand_vec(nt * rows, seed + 4, 1.0);
+            let mut h = vec![0f32; nt * cols];
+            rms_norm(&x, &nw, eps, &mut h);
+            let mut want = vec![0f32; nt * rows];
+            matmul(QMatRef::new(dtype, rows, cols, &g), &h, nt, &mut want);
+            if gated {
+                let mut uw = vec![0f32; nt * rows];
+                matmul(QMatRef::new(dtype, rows, cols, &u), &h, nt, &mut uw);
+                silu_mul(&mut want, &uw);
+            }
+            want.iter_mut().zip(&y0).for_each(|(w, y)| *w += y);
+            let wbuf = ctx.upload("w", &[g.clone(), u].concat());
+            let xbuf = ctx.upload_f32("x", &x);
+            let nbuf = ctx.upload_f32("norm", &nw);
+            let ybuf = ctx.upload_f32("y", &y0);
+            let desc = MatVecDesc {
+                w: WeightRef {
+                    buffer: &wbuf,
+                    offset: 0,
+                    dtype,
+                    rows,
+                    cols,
+                },
+                up_offset: gated.then_some(g.len() as u64),
+                x: BufRef::new(&xbuf),
+                y: BufRef::new(&ybuf),
+                n_tokens: nt,
+                grouped: None,
+            };
+            let fuse = Fuse {
+                norm: Some((BufRef::new(&nbuf), eps)),
+                accumulate: true,
+                reduce: None,
+            };
+            let mv = MatVec::fused(ctx, &desc, &fuse).unwrap();
+            let mut enc = ctx.encoder();
+            mv.encode(&mut enc);
+            ctx.submit_wait(enc);
+            let got = ctx.read_f32(&ybuf, 0, nt * rows).unwrap();
+            assert_close(
+                &format!("norm+acc {dtype} {rows}x{cols} nt {nt} gated {gated}"),
+                &got,
+                &want,
+                1e-5,
+            );
+        }
+
+        // Grouped, reduced over each token's k slots with router weights, plus y: three tokens
+        // choosing 3 of six experts (one twice), and two tokens choosing 8 of ten over inputs
+        // wider than one staging tile.
+        let configs: [(usize, usize, usize, usize, Vec<u32>); 2] = [
+            (40, 192, 6, 3, vec![5, 0, 2, 1, 1, 3, 4, 2, 0]),
+            (
+                33,
+                768,
+                10,
+                8,
+                vec![9, 0, 2, 1, 7, 3, 4, 5, 8, 6, 5, 4, 3, 2, 1, 0],
+            ),
+        ];
+        for (rows, cols, n_mats, k, ids) in configs {
+            let size = dtype.row_stride(cols) * rows;
+            let stride = (size + 100).next_multiple_of(16);
+            let mats: Vec<Vec<u8>> = (0..n_mats)
+                .map(|m| {
+                    quantize_matrix(
+                        dtype,
+                        &rand_vec(rows * cols, 800 + m as u64, 1.0),
+                        rows,
+                        cols,
+                    )
+                })
+                .collect();
+            let mut blob = vec![0u8; stride * n_mats];
+            for (m, q) in mats.iter().enumerate() {
+                blob[m * stride..m * stride + size].copy_from_slice(q);
+            }
+            let wts = rand_vec(ids.len(), 810 + i as u64, 1.0);
+            let x = rand_vec(ids.len() * cols, 820 + i as u64, 1.0);
+            let n_tok = ids.len() / k;
+            let y0 = rand_vec(n_tok * rows, 830 + i as u64, 1.0);
+            let mut want = y0.clone();
+            for (s, &id) in ids.iter().enumerate() {
+                let mut part = vec![0f32; rows];
+                let xs = &x[s * cols..(s + 1) * cols];
+                matmul(
+                    QMatRef::new(dtype, rows, cols, &mats[id as usize]),
+                    xs,
+                    1,
+                    &mut part,
+                );
+                let t = s / k;
+                for r in 0..rows {
+                    want[t * rows + r] += wts[s] * part[r];
+                }
+            }
+            let wbuf = ctx.upload("experts", &blob);
+            let idbuf = ctx.upload("ids", bytemuck::cast_slice(&ids));
+            let wtbuf = ctx.upload_f32("weights", &wts);
+            let xbuf = ctx.upload_f32("x", &x);
+            let ybuf = ctx.upload_f32("y", &y0);
+            let desc = MatVecDesc {
+                w: WeightRef {
+                    buffer: &wbuf,
+                    offset: 0,
+                    dtype,
+                    rows,
+                    cols,
+                },
+                up_offset: None,
+                x: BufRef::new(&xbuf),
+                y: BufRef::new(&ybuf),
+                n_tokens: 1,
+                grouped: Some(Grouped {
+                    ids: &idbuf,
+                    ids_offset: 0,
+                    n_slots: ids.len(),
+                    n_mats,
+                    mat_stride: stride as u64,
+                    x_per_slot: true,
+                    slots_per_x: 1,
+                }),
+            };
+            let fuse = Fuse {
+                norm: None,
+                accumulate: true,
+                reduce: Some((BufRef::new(&wtbuf), k)),
+            };
+            let mv = MatVec::fused(ctx, &desc, &fuse).unwrap();
+            let mut enc = ctx.encoder();
+            mv.encode(&mut enc);
+            ctx.submit_wait(enc);
+            let got = ctx.read_f32(&ybuf, 0, n_tok * rows).unwrap();
+            assert_close(
+                &format!("grouped reduce {dtype} k {k} cols {cols}"),
+                &got,
+                &want,
+                1e-5,
+            );
+
+            // A reduce that does not divide the slots is refused.
+            let bad = Fuse {
+                reduce: Some((BufRef::new(&wtbuf), 5)),
+                ..Default::default()
+            };
+            assert!(MatVec::fused(ctx, &desc, &bad).is_err());
+        }
+    }
+}
+
+/// Grouped gate_up of normed inputs: each token's k slots share its x (slots_per_x = k), the
+/// norm is computed per token inside the kernel.
+#[test]
+fn matvec_grouped_gated_with_norm() {
+    use smoe_compute::cpu::ops::rms_norm;
+    use smoe_compute::gpu::Fuse;
+    let Some(ctx) = gpu() else { return };
+    for (i, dtype) in DTYPES.into_iter().enumerate() {
+        let (rows, cols, n_mats, k) = (24usize, 256usize, 5usize, 2usize);
+        let size = dtype.row_stride(cols) * rows;
+        let stride = (2 * size).next_multiple_of(16);
+        let mut blob = vec![0u8; stride * n_mats];
+        let mut mats = vec![];
+        for m in 0..n_mats {
+            let g = quantize_matrix(
+                dtype,
+                &rand_vec(rows * cols, 900 + 2 * m as u64, 1.0),
+                rows,
+                cols,
+            );
+            let u = quantize_matrix(
+                dtype,
+                &rand_vec(rows * cols, 901 + 2 * m as u64, 1.0),
+                rows,
+                cols,
+            );
+            blob[m * stride..m * stride + size].copy_from_slice(&g);
+            blob[m * stride + size..m * stride + 2 * size].copy_from_slice(&u);
+            mats.push((g, u));
+        }
+        let ids: Vec<u32> = vec![3, 1, 4, 3];
+        let x = rand_vec(2 * cols, 910 + i as u64, 10.0);
+        let nw = rand_vec(cols, 911, 1.5);
+        let mut h = vec![0f32; 2 * cols];
+        rms_norm(&x, &nw, 1e-5, &mut h);
+        let mut want = vec![0f32; ids.len() * rows];
+        for (s, &id) in ids.iter().enumerate() {
+            let (g, u) = &mats[id as usize];
+            let xs = &h[s / k * cols..(s / k + 1) * cols];
+            let (mut gw, mut uw) = (vec![0f32; rows], vec![0f32; rows]);
+            matmul(QMatRef::new(dtype, rows, cols, g), xs, 1, &mut gw);
+            matmul(QMatRef::new(dtype, rows, cols, u), xs, 1, &mut uw);
+            silu_mul(&mut gw, &uw);
+            want[s * rows..(s + 1) * rows].copy_from_slice(&gw);
+        }
+        let wbuf = ctx.upload("experts", &blob);
+        let idbuf = ctx.upload("ids", bytemuck::cast_slice(&ids));
+        let xbuf = ctx.upload_f32("x", &x);
+        let nbuf = ctx.upload_f32("norm", &nw);
+        let ybuf = nan_buffer(ctx, "y", ids.len() * rows);
+        let desc = MatVecDesc {
+            w: WeightRef {
+                buffer: &wbuf,
+                offset: 0,
+                dtype,
+                rows,
+                cols,
+            },
+            up_offset: Some(size as u64),
+            x: BufRef::new(&xbuf),
+            y: BufRef::new(&ybuf),
+            n_tokens: 1,
+            grouped: Some(Grouped {
+                ids: &idbuf,
+                ids_offset: 0,
+                n_slots: ids.len(),
+                n_mats,
+                mat_stride: stride as u64,
+                x_per_slot: true,
+                slots_per_x: k,
+            }),
+        };
+        let fuse = Fuse {
+            norm: Some((BufRef::new(&nbuf), 1e-5)),
+            ..Default::default()
+        };
+        let mv = MatVec::fused(ctx, &desc, &fuse).unwrap();
+        let mut enc = ctx.encoder();
+        mv.encode(&mut enc);
+        ctx.submit_wait(enc);
+        let got = ctx.read_f32(&ybuf, 0, ids.len() * rows).unwrap();
+        assert_close(&format!("grouped gated norm {dtype}"), &got, &want, 1e-5);
+    }
+}

@@ -6,9 +6,27 @@ use naga::back::msl;
 use naga::valid::{Capabilities, ShaderStages, SubgroupOperationSet, ValidationFlags, Validator};
 use smoe_compute::gpu::{kernel_names, kernel_source};
 
-/// The override sets worth checking per kernel: the defaults, and for matvec every dtype with
-/// the gated and grouped variants.
+/// The override sets worth checking per kernel: the defaults, and for matvec and matmul every
+/// dtype with the gated and grouped variants.
 fn variants(kernel: &str) -> Vec<Vec<(&'static str, f64)>> {
+    if kernel == "matmul" {
+        let mut v = vec![];
+        for dtype in 0..4 {
+            for (gated, grouped) in [(0.0, 0.0), (1.0, 0.0), (0.0, 1.0), (1.0, 1.0)] {
+                for (bm, bn, bk) in [(128.0, 48.0, 16.0), (64.0, 64.0, 32.0)] {
+                    v.push(vec![
+                        ("DTYPE", dtype as f64),
+                        ("BM", bm),
+                        ("BN", bn),
+                        ("BK", bk),
+                        ("GATED", gated),
+                        ("GROUPED", grouped),
+                    ]);
+                }
+            }
+        }
+        return v;
+    }
     if kernel != "matvec" {
         return vec![vec![]];
     }

@@ -4,7 +4,7 @@
 //! soon as its consumer has run. Two operands of one dispatch are always different buffers (a
 //! written binding may not alias another binding).
 
-use super::T_MAX;
+use super::{LOGIT_ROWS, T_MAX};
 use smoe_compute::gpu::{wgpu, BufRef, GpuContext};
 use smoe_vault::ModelConfig;
 
@@ -51,12 +51,12 @@ pub(crate) struct Acts {
     pub rw: wgpu::Buffer,
     /// silu(gate)·up: `[n][k][moe_inter]` for experts, `[n][inter]` for a dense or shared MLP.
     pub gu: wgpu::Buffer,
-    /// Expert outputs `[n][k][h]`.
+    /// Expert outputs `[n][k][h]` (batches; a single token's are summed inside its down matvec).
     pub eo: wgpu::Buffer,
-    /// The shared expert's gate, one value per token.
-    pub sg: wgpu::Buffer,
     /// `T_MAX` ones: the weights of a plain residual add (`WeightedSum` with k = 1).
     pub ones: wgpu::Buffer,
+    /// The shared expert's gate, one value per token.
+    pub sg: wgpu::Buffer,
     pub logits: wgpu::Buffer,
     /// The greedy token id (u32).
     pub argmax: wgpu::Buffer,
@@ -81,10 +81,10 @@ impl Acts {
             ids: f("expert ids", t * d.k),
             rw: f("expert weights", t * d.k),
             gu: f("gate_up", t * inter),
-            eo: f("expert outputs", t * d.k * d.h),
             sg: f("shared gate", t),
+            eo: f("expert outputs", t * d.k * d.h),
             ones: ctx.upload_f32("ones", &[1.0; T_MAX]),
-            logits: f("logits", t * d.vocab),
+            logits: f("logits", LOGIT_ROWS * d.vocab),
             argmax: f("argmax", 1),
             d,
         }

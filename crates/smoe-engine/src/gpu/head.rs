@@ -3,9 +3,9 @@
 //! read-back of what the caller asked for through one staging buffer created at load.
 
 use super::acts::Acts;
-use super::gpu_err;
 use super::record::Recorder;
 use super::weights::Weights;
+use super::{gpu_err, LOGIT_ROWS};
 use crate::error::EngineError;
 use smoe_compute::gpu::{wgpu, Argmax, BufRef, GpuContext, MatVec, MatVecDesc, RmsNorm};
 
@@ -14,7 +14,8 @@ use smoe_compute::gpu::{wgpu, Argmax, BufRef, GpuContext, MatVec, MatVecDesc, Rm
 pub(crate) struct Head {
     last: (RmsNorm, MatVec),
     argmax: Argmax,
-    all: (RmsNorm, MatVec),
+    /// Batches of at most `LOGIT_ROWS` tokens (the logits buffer's rows).
+    all: Option<(RmsNorm, MatVec)>,
 }
 
 impl Head {
@@ -43,10 +44,13 @@ impl Head {
         Ok(Head {
             last: (norm(last_row, 1).map_err(gpu_err)?, lm(1).map_err(gpu_err)?),
             argmax: Argmax::new(ctx, logits, BufRef::new(&a.argmax), vocab, 1).map_err(gpu_err)?,
-            all: (
-                norm(BufRef::new(&a.x), n).map_err(gpu_err)?,
-                lm(n).map_err(gpu_err)?,
-            ),
+            all: match n <= LOGIT_ROWS {
+                true => Some((
+                    norm(BufRef::new(&a.x), n).map_err(gpu_err)?,
+                    lm(n).map_err(gpu_err)?,
+                )),
+                false => None,
+            },
         })
     }
 
@@ -59,10 +63,14 @@ impl Head {
         }
     }
 
-    /// Logits of every row into `logits`.
+    /// Logits of every row into `logits`; the caller splits passes at `LOGIT_ROWS` tokens.
     pub fn record_all(&self, r: &mut Recorder) {
-        r.step("final norm", &self.all.0);
-        r.step("lm head", &self.all.1);
+        let (norm, lm) = self
+            .all
+            .as_ref()
+            .expect("passes with all logits ≤ LOGIT_ROWS");
+        r.step("final norm", norm);
+        r.step("lm head", lm);
     }
 }
 

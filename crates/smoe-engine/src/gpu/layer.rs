@@ -4,6 +4,19 @@
 //!
 //! h = n1(x); q, k, v = proj(h) (+ bias) → qk-norm → clip → rope, KV append, attention
 //! x += o(attn);  h = n2(x);  x += Σ_top-k w_e · expert_e(h) + σ(g·h) · shared(h)   or   mlp(h)
+//!
+//! Decoding is a chain of dependent dispatches, each with a floor of 5–10 µs on an H200 however
+//! little it does (`smoe bench decode --breakdown`), so work is fused into the matvecs
+//! (`smoe_compute::gpu::Fuse`): the residual adds into o and the down projections, the
+//! experts' weighted sum into their down projection, and for single tokens both RMSNorms into
+//! the matvecs that read the normed input (each recomputes it). A layer with a shared expert
+//! keeps its post-attention norm separate: its shared MLP must read the normed input after the
+//! routed experts have already added to x.
+//!
+//! Batches of `GEMM_MIN` tokens or more (prefill) are throughput-bound instead: their matrix
+//! products are token-batched GEMMs (`MatMul`) that read each weight tile once per tile of
+//! tokens, and the routed experts' slots are first sorted by expert (`ExpertSort`) so each
+//! expert's weights are read once per chunk for all the tokens that chose it.
 
 use super::acts::Acts;
 use super::gpu_err;
@@ -11,8 +24,8 @@ use super::record::{Dispatch, Recorder};
 use super::weights::{FfnW, LayerW, Mlp};
 use crate::error::EngineError;
 use smoe_compute::gpu::{
-    BufRef, EltOp, Eltwise, GpuContext, Grouped, MatVec, MatVecDesc, RmsNorm, Router, WeightRef,
-    WeightedSum,
+    wgpu, BufRef, EltOp, Eltwise, ExpertSort, Fuse, GpuContext, Grouped, MatMul, MatMulDesc,
+    MatMulGrouped, MatVec, MatVecDesc, RmsNorm, Router, WeightRef, WeightedSum,
 };
 use smoe_vault::ModelConfig;
 
@@ -82,13 +95,27 @@ pub(crate) struct LayerOps {
     pub experts_at: Option<usize>,
 }
 
+/// Batches at least this large take the GEMM path.
+pub(crate) const GEMM_MIN: usize = 8;
+
 struct B<'a> {
     ctx: &'a GpuContext,
     a: &'a Acts,
     n: usize,
+    /// n ≥ GEMM_MIN.
+    gemm: bool,
+}
+
+/// The normed input of a block: `hn` written by a separate RMSNorm, or x normed inside each
+/// consuming matvec.
+#[derive(Clone, Copy)]
+enum Input<'a> {
+    Normed,
+    Fused(BufRef<'a>, f32),
 }
 
 impl B<'_> {
+    #[allow(clippy::too_many_arguments)]
     fn mv(
         &self,
         step: &'static str,
@@ -97,6 +124,7 @@ impl B<'_> {
         x: BufRef,
         y: BufRef,
         grouped: Option<Grouped>,
+        fuse: Fuse,
     ) -> Result<Op, EngineError> {
         // A grouped product covers the n tokens through its slots (each slot one token's expert).
         let n_tokens = if grouped.is_some() { 1 } else { self.n };
@@ -108,7 +136,112 @@ impl B<'_> {
             n_tokens,
             grouped,
         };
-        Ok(Op::new(step, MatVec::new(self.ctx, &d).map_err(gpu_err)?))
+        let k = MatVec::fused(self.ctx, &d, &fuse).map_err(gpu_err)?;
+        Ok(Op::new(step, k))
+    }
+
+    /// A token-batched product of the n tokens (`MatMul`).
+    fn mm(
+        &self,
+        step: &'static str,
+        w: WeightRef,
+        up: Option<u64>,
+        x: BufRef,
+        y: BufRef,
+        grouped: Option<MatMulGrouped>,
+    ) -> Result<Op, EngineError> {
+        let d = MatMulDesc {
+            w,
+            up_offset: up,
+            x,
+            y,
+            n_tokens: self.n,
+            grouped,
+        };
+        let k = MatMul::new(self.ctx, &d).map_err(gpu_err)?;
+        Ok(Op::new(step, k))
+    }
+
+    /// x += weights[t·k + s] · y[t·k + s] over each token's k rows of y.
+    fn add_to_x(
+        &self,
+        step: &'static str,
+        y: BufRef,
+        weights: BufRef,
+        k: usize,
+    ) -> Result<Op, EngineError> {
+        let a = self.a;
+        let s = WeightedSum::new(self.ctx, BufRef::new(&a.x), y, weights, a.d.h, k, self.n);
+        Ok(Op::new(step, s.map_err(gpu_err)?))
+    }
+
+    /// x += W·y: fused into the matvec, or a GEMM into `tmp` and a residual add.
+    fn proj_add(
+        &self,
+        step: &'static str,
+        w: WeightRef,
+        y: BufRef,
+        ops: &mut Vec<Op>,
+    ) -> Result<(), EngineError> {
+        if !self.gemm {
+            ops.push(self.mv_add(step, w, y)?);
+            return Ok(());
+        }
+        let (tmp, ones) = (BufRef::new(&self.a.tmp), BufRef::new(&self.a.ones));
+        ops.push(self.mm(step, w, None, y, tmp, None)?);
+        ops.push(self.add_to_x("residual add", tmp, ones, 1)?);
+        Ok(())
+    }
+
+    /// A matvec reading the block's normed input (a GEMM for a batch).
+    fn mv_in(
+        &self,
+        step: &'static str,
+        input: Input,
+        w: WeightRef,
+        up: Option<u64>,
+        y: BufRef,
+        grouped: Option<Grouped>,
+    ) -> Result<Op, EngineError> {
+        let a = self.a;
+        if self.gemm && grouped.is_none() {
+            return self.mm(step, w, up, BufRef::new(&a.hn), y, None);
+        }
+        let (x, norm) = match input {
+            Input::Normed => (BufRef::new(&a.hn), None),
+            Input::Fused(nw, eps) => (BufRef::new(&a.x), Some((nw, eps))),
+        };
+        let fuse = Fuse {
+            norm,
+            ..Fuse::default()
+        };
+        self.mv(step, w, up, x, y, grouped, fuse)
+    }
+
+    /// x += W·y.
+    fn mv_add(&self, step: &'static str, w: WeightRef, y: BufRef) -> Result<Op, EngineError> {
+        let fuse = Fuse {
+            accumulate: true,
+            ..Fuse::default()
+        };
+        self.mv(step, w, None, y, BufRef::new(&self.a.x), None, fuse)
+    }
+
+    /// The input of a block: a separate norm into `hn` (pushed to `ops`), or fused.
+    fn input<'w>(
+        &self,
+        fused: bool,
+        w: &'w wgpu::Buffer,
+        eps: f32,
+        ops: &mut Vec<Op>,
+    ) -> Result<Input<'w>, EngineError> {
+        if fused && !self.gemm {
+            return Ok(Input::Fused(BufRef::new(w), eps));
+        }
+        let a = self.a;
+        let (x, hn) = (BufRef::new(&a.x), BufRef::new(&a.hn));
+        ops.push(self.norm("rms norm", x, BufRef::new(w), hn, a.d.h, self.n, eps)?);
+        Ok(Input::Normed)
     }
 
     fn norm(
@@ -126,38 +259,25 @@ impl B<'_> {
     }
 
     fn elt(&self, step: &'static str, y: BufRef, len: usize, op: EltOp) -> Result<Op, EngineError> {
-        Ok(Op::new(
-            step,
-            Eltwise::new(self.ctx, y, len, op).map_err(gpu_err)?,
-        ))
+        let k = Eltwise::new(self.ctx, y, len, op).map_err(gpu_err)?;
+        Ok(Op::new(step, k))
     }
 
-    /// x += weights[t·k + s] · y[t·k + s] over each token's k rows of y.
-    fn add_to_x(
-        &self,
-        step: &'static str,
-        y: BufRef,
-        weights: BufRef,
-        k: usize,
-    ) -> Result<Op, EngineError> {
+    /// out = down(silu(gate·h) · up·h) for a dense or shared MLP; `add`: x += out, otherwise
+    /// out lands in `tmp`.
+    fn mlp(&self, m: &Mlp, input: Input, add: bool, ops: &mut Vec<Op>) -> Result<(), EngineError> {
         let a = self.a;
-        let s = WeightedSum::new(self.ctx, BufRef::new(&a.x), y, weights, a.d.h, k, self.n);
-        Ok(Op::new(step, s.map_err(gpu_err)?))
-    }
-
-    /// out = down(silu(gate·hn) · up·hn) for a dense or shared MLP.
-    fn mlp(&self, m: &Mlp, ops: &mut Vec<Op>) -> Result<(), EngineError> {
-        let a = self.a;
-        let (hn, gu, tmp) = (BufRef::new(&a.hn), BufRef::new(&a.gu), BufRef::new(&a.tmp));
-        ops.push(self.mv(
-            "mlp gate_up",
-            m.gate_up.w(0),
-            Some(m.up_offset()),
-            hn,
-            gu,
-            None,
-        )?);
-        ops.push(self.mv("mlp down", m.down.w(0), None, gu, tmp, None)?);
+        let (gu, tmp) = (BufRef::new(&a.gu), BufRef::new(&a.tmp));
+        let up = Some(m.up_offset());
+        ops.push(self.mv_in("mlp gate_up", input, m.gate_up.w(0), up, gu, None)?);
+        let down = m.down.w(0);
+        match (add, self.gemm) {
+            (true, _) => self.proj_add("mlp down", down, gu, ops)?,
+            (false, true) => ops.push(self.mm("mlp down", down, None, gu, tmp, None)?),
+            (false, false) => {
+                ops.push(self.mv("mlp down", down, None, gu, tmp, None, Fuse::default())?)
+            }
+        }
         Ok(())
     }
 }
@@ -170,17 +290,26 @@ impl LayerOps {
         c: &ModelConfig,
         n: usize,
     ) -> Result<Self, EngineError> {
-        let b = B { ctx, a, n };
+        let b = B {
+            ctx,
+            a,
+            n,
+            gemm: n >= GEMM_MIN,
+        };
         let d = a.d;
         let eps = c.rms_norm_eps as f32;
-        let (x, hn) = (BufRef::new(&a.x), BufRef::new(&a.hn));
-        let mut pre = vec![b.norm("rms norm", x, BufRef::new(&w.input_norm), hn, d.h, n, eps)?];
-        // q, k, v: one matvec over the three stacked matrices when a batch is one token.
+        let mut pre = vec![];
+        // q, k, v: one matvec over the three stacked matrices when a batch is one token, with
+        // the input norm fused in.
         match w.qkv.fused().filter(|_| n == 1) {
-            Some(fw) => pre.push(b.mv("qkv", fw, None, hn, a.q(1), None)?),
+            Some(fw) => {
+                let input = b.input(true, &w.input_norm, eps, &mut pre)?;
+                pre.push(b.mv_in("qkv", input, fw, None, a.q(1), None)?);
+            }
             None => {
+                let input = b.input(false, &w.input_norm, eps, &mut pre)?;
                 for (i, y) in [a.q(n), a.k(n), a.v(n)].into_iter().enumerate() {
-                    pre.push(b.mv("qkv", w.qkv.w(i), None, hn, y, None)?);
+                    pre.push(b.mv_in("qkv", input, w.qkv.w(i), None, y, None)?);
                 }
             }
         }
@@ -200,24 +329,9 @@ impl LayerOps {
         }
         if separate_norm(w, c) {
             let ((qn, lq), (kn, lk)) = w.qk_norm.as_ref().expect("checked by separate_norm");
-            pre.push(b.norm(
-                "qk norm",
-                a.q(n),
-                BufRef::new(qn),
-                a.qn(n),
-                *lq,
-                n * d.qw / lq,
-                eps,
-            )?);
-            pre.push(b.norm(
-                "qk norm",
-                a.k(n),
-                BufRef::new(kn),
-                a.kn(n),
-                *lk,
-                n * d.kw / lk,
-                eps,
-            )?);
+            let (q, k) = (BufRef::new(qn), BufRef::new(kn));
+            pre.push(b.norm("qk norm", a.q(n), q, a.qn(n), *lq, n * d.qw / lq, eps)?);
+            pre.push(b.norm("qk norm", a.k(n), k, a.kn(n), *lk, n * d.kw / lk, eps)?);
         }
         if let Some(clip) = c.clip_qkv {
             let r = rope_inputs(w, a, c, n);
@@ -226,35 +340,53 @@ impl LayerOps {
             }
         }
 
-        let (tmp, ones) = (BufRef::new(&a.tmp), BufRef::new(&a.ones));
-        let mut post = vec![
-            b.mv("o proj", w.o.w(0), None, BufRef::new(&a.attn), tmp, None)?,
-            b.add_to_x("residual add", tmp, ones, 1)?,
-            b.norm("rms norm", x, BufRef::new(&w.post_norm), hn, d.h, n, eps)?,
-        ];
+        // x += o(attn), then the FFN block.
+        let mut post = vec![];
+        b.proj_add("o proj", w.o.w(0), BufRef::new(&a.attn), &mut post)?;
+        let shared_expert = matches!(
+            &w.ffn,
+            FfnW::Moe {
+                shared: Some(_),
+                ..
+            }
+        );
+        let input = b.input(n == 1 && !shared_expert, &w.post_norm, eps, &mut post)?;
         let mut experts_at = None;
         match &w.ffn {
-            FfnW::Dense(m) => {
-                b.mlp(m, &mut post)?;
-                post.push(b.add_to_x("residual add", tmp, ones, 1)?);
-            }
+            FfnW::Dense(m) => b.mlp(m, input, true, &mut post)?,
             FfnW::Moe {
                 router,
                 experts: e,
                 shared,
             } => {
                 let k = d.k;
+                if k > smoe_compute::gpu::NT_MAX {
+                    return Err(EngineError::Backend(format!(
+                        "GPU: top-{k} routing; the GPU kernels sum at most {} experts per token \
+                         (use --backend cpu)",
+                        smoe_compute::gpu::NT_MAX
+                    )));
+                }
                 let (rlog, ids, rw) = (
                     BufRef::new(&a.rlog),
                     BufRef::new(&a.ids),
                     BufRef::new(&a.rw),
                 );
-                post.push(b.mv("router", router.w(0), None, hn, rlog, None)?);
+                // The router is small: a matvec even for a batch (reading hn then).
+                let router = match b.gemm {
+                    true => {
+                        let hn = BufRef::new(&a.hn);
+                        b.mv("router", router.w(0), None, hn, rlog, None, Fuse::default())
+                    }
+                    false => b.mv_in("router", input, router.w(0), None, rlog, None),
+                };
+                post.push(router?);
                 let route = Router::new(ctx, rlog, ids, rw, e.n, k, n, c.norm_topk_prob);
                 post.push(Op::new("router top-k", route.map_err(gpu_err)?));
                 experts_at = Some(post.len());
                 // Slot t·k + s is token t's s-th expert: gate_up reads token t's input (k slots
-                // share it), down reads its slot's gate_up output.
+                // share it), down reads its slot's gate_up output and sums each token's k slots
+                // with the router's weights into x.
                 let grouped = |slots_per_x| Grouped {
                     ids: &a.ids,
                     ids_offset: 0,
@@ -264,30 +396,42 @@ impl LayerOps {
                     x_per_slot: true,
                     slots_per_x,
                 };
-                let (gu, eo) = (BufRef::new(&a.gu), BufRef::new(&a.eo));
-                post.push(b.mv(
-                    "experts gate_up",
-                    e.gate.on(&e.buf),
-                    Some(e.up_offset),
-                    hn,
-                    gu,
-                    Some(grouped(k)),
-                )?);
-                post.push(b.mv(
-                    "experts down",
-                    e.down.on(&e.buf),
-                    None,
-                    gu,
-                    eo,
-                    Some(grouped(1)),
-                )?);
-                post.push(b.add_to_x("experts sum", eo, rw, k)?);
+                let gu = BufRef::new(&a.gu);
+                let gate = e.gate.on(&e.buf);
+                let up = Some(e.up_offset);
+                let down = e.down.on(&e.buf);
+                if b.gemm {
+                    // Slots sorted by expert; each expert's GEMM over the slots that chose it.
+                    let sort = ExpertSort::new(ctx, ids, n * k, e.slots).map_err(gpu_err)?;
+                    let by = |x_div| MatMulGrouped {
+                        sort: &sort,
+                        mat_stride: e.stride,
+                        x_div,
+                    };
+                    let (hn, eo) = (BufRef::new(&a.hn), BufRef::new(&a.eo));
+                    let gate_up = b.mm("experts gate_up", gate, up, hn, gu, Some(by(k)))?;
+                    let down = b.mm("experts down", down, None, gu, eo, Some(by(1)))?;
+                    post.push(Op::new("expert sort", sort));
+                    post.extend([gate_up, down]);
+                    post.push(b.add_to_x("experts sum", eo, rw, k)?);
+                } else {
+                    let grouped_gu = Some(grouped(k));
+                    post.push(b.mv_in("experts gate_up", input, gate, up, gu, grouped_gu)?);
+                    let fuse = Fuse {
+                        accumulate: true,
+                        reduce: Some((rw, k)),
+                        ..Fuse::default()
+                    };
+                    let x = BufRef::new(&a.x);
+                    post.push(b.mv("experts down", down, None, gu, x, Some(grouped(1)), fuse)?);
+                }
                 if let Some((m, gate)) = shared {
-                    b.mlp(m, &mut post)?;
-                    let sg = BufRef::new(&a.sg);
-                    post.push(b.mv("shared gate", gate.w(0), None, hn, sg, None)?);
+                    b.mlp(m, input, false, &mut post)?;
+                    let (sg, tmp) = (BufRef::new(&a.sg), BufRef::new(&a.tmp));
+                    post.push(b.mv_in("shared gate", input, gate.w(0), None, sg, None)?);
                     post.push(b.elt("shared gate", sg, n, EltOp::Sigmoid)?);
-                    post.push(b.add_to_x("shared sum", tmp, sg, 1)?);
+                    let sum = WeightedSum::new(ctx, BufRef::new(&a.x), tmp, sg, d.h, 1, n);
+                    post.push(Op::new("shared sum", sum.map_err(gpu_err)?));
                 }
             }
         }

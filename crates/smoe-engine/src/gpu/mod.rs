@@ -33,8 +33,14 @@ use crate::error::EngineError;
 use smoe_compute::gpu::GpuContext;
 use std::sync::{Arc, OnceLock};
 
-/// Largest batch of tokens one submission processes; longer prompt chunks are split.
-pub(crate) const T_MAX: usize = 64;
+/// Largest batch of tokens one submission processes; longer prompt chunks are split. Large,
+/// so that a prompt chunk's experts are read once for many tokens (512 tokens × top-8 of 128
+/// experts ≈ 32 tokens per expert).
+pub(crate) const T_MAX: usize = 512;
+
+/// Most rows of logits one pass writes (scoring every position of a long prompt runs in
+/// pieces of this many tokens: the logits buffer is rows × vocabulary f32s).
+pub(crate) const LOGIT_ROWS: usize = 64;
 
 /// The batch sizes with recorded dispatches: 1, 2, 4, …, `T_MAX`.
 pub(crate) fn batch_sizes() -> Vec<usize> {

@@ -16,7 +16,9 @@
 
 use super::{mat, Logits};
 use crate::error::EngineError;
-use crate::gpu::{self, Acts, GpuKv, Head, LayerOps, Readback, Recorder, Weights, T_MAX};
+use crate::gpu::{
+    self, Acts, GpuKv, Head, LayerOps, Readback, Recorder, Weights, LOGIT_ROWS, T_MAX,
+};
 use crate::kv_cache::KvCache;
 use crate::rope::RopeTable;
 use crate::store::{CacheBudget, Experts, StoreOptions};
@@ -217,7 +219,7 @@ impl GpuDecoder {
             embed: vault.tensor("model.embed_tokens.weight")?,
             step: ctx.step_buffer(),
             rope_scale: rope.scale(),
-            readback: Readback::new(ctx, 4 * (T_MAX * cfg.vocab_size) as u64),
+            readback: Readback::new(ctx, 4 * (LOGIT_ROWS * cfg.vocab_size) as u64),
             running: Mutex::new(Vec::with_capacity(T_MAX * cfg.hidden_size)),
             experts,
             streaming,
@@ -317,6 +319,9 @@ impl GpuDecoder {
             let mut n = gpu::piece_len(tokens.len() - done);
             if let Some(st) = &self.streaming {
                 n = n.min(st.max_piece);
+            }
+            if end == End::Logits(Logits::All) {
+                n = n.min(LOGIT_ROWS);
             }
             let last = done + n == tokens.len();
             rows.resize(n * h, 0.0);

@@ -3,19 +3,31 @@
 //! Weights are rotated over enough copies (≥ 512 MiB in all) that they do not sit in cache.
 //! Times come from GPU timestamps around one compute pass of many dispatches when the device
 //! has TIMESTAMP_QUERY, else from the wall clock around the submission.
+//!
+//! Prefill shapes (`tokens > 0`) are compute-bound, so their rows report GFLOP/s
+//! (2·rows·cols·tokens, ×2 gated) of the GEMM beside the decode matvec's, in a section of
+//! their own.
 
+mod prefill;
 mod timer;
 
 use super::buffers::{Binding, BufRef};
 use super::context::{GpuContext, GpuError};
-use super::matvec::{Grouped, MatVec, MatVecDesc, MatVecTuning, WeightRef};
+use super::matmul::MatMulTuning;
+use super::matvec::{Fuse, Grouped, MatVec, MatVecDesc, MatVecTuning, WeightRef};
 use super::ops::Dispatch;
+pub use prefill::pseudo_random_ids;
+use prefill::{bench_prefill, host_weights, Kernel};
 use smoe_vault::quant::DType;
 use std::fmt;
 use timer::Timer;
 
 /// One matrix shape to measure; `experts > 0` measures a grouped, gated (gate_up) dispatch of
 /// that many experts picked from a stack of `stack` experts, `rows` being gate + up rows.
+///
+/// Prefill shapes (`tokens > 0`) multiply a chunk of `tokens` tokens: dense, or with
+/// `experts > 0` through a layer of `stack` experts with top-`experts` routing
+/// (`tokens·experts` slots); there `rows` are output rows and `gated` adds the up matrix.
 #[derive(Clone, Debug)]
 pub struct BenchShape {
     pub name: String,
@@ -23,6 +35,11 @@ pub struct BenchShape {
     pub cols: usize,
     pub experts: usize,
     pub stack: usize,
+    pub tokens: usize,
+    pub gated: bool,
+    /// Decode shapes with `experts > 0`: the down projection instead of gate_up: `rows` output
+    /// rows, each token's experts summed with router weights into them (`Fuse::reduce`).
+    pub reduce: bool,
 }
 
 impl BenchShape {
@@ -33,6 +50,9 @@ impl BenchShape {
             cols,
             experts: 0,
             stack: 0,
+            tokens: 0,
+            gated: false,
+            reduce: false,
         }
     }
     pub fn experts(name: &str, rows: usize, cols: usize, experts: usize, stack: usize) -> Self {
@@ -42,7 +62,53 @@ impl BenchShape {
             cols,
             experts,
             stack,
+            tokens: 0,
+            gated: false,
+            reduce: false,
         }
+    }
+    /// The experts' down projection of one token: `experts` of `stack` experts, summed into
+    /// `rows` outputs with router weights.
+    pub fn experts_down(
+        name: &str,
+        rows: usize,
+        cols: usize,
+        experts: usize,
+        stack: usize,
+    ) -> Self {
+        BenchShape {
+            reduce: true,
+            ..Self::experts(name, rows, cols, experts, stack)
+        }
+    }
+    /// A dense projection of `tokens` tokens at once.
+    pub fn prefill(name: &str, rows: usize, cols: usize, tokens: usize) -> Self {
+        BenchShape {
+            tokens,
+            ..Self::dense(name, rows, cols)
+        }
+    }
+    /// A layer's experts for `tokens` tokens, each routed to `top_k` of `n_experts`; `rows`
+    /// output rows per expert (gated: of gate and of up each).
+    pub fn prefill_experts(
+        name: &str,
+        rows: usize,
+        cols: usize,
+        tokens: usize,
+        top_k: usize,
+        n_experts: usize,
+        gated: bool,
+    ) -> Self {
+        BenchShape {
+            tokens,
+            gated,
+            ..Self::experts(name, rows, cols, top_k, n_experts)
+        }
+    }
+    /// Multiply-adds ×2 of one call (prefill shapes).
+    pub fn flops(&self) -> u64 {
+        let slots = self.tokens * self.experts.max(1);
+        2 * (self.rows * self.cols * slots) as u64 * (1 + self.gated as u64)
     }
 }
 
@@ -55,9 +121,24 @@ pub fn qwen3_shapes() -> Vec<BenchShape> {
         BenchShape::dense("30B q_proj", 4096, 2048),
         BenchShape::dense("30B o_proj", 2048, 4096),
         BenchShape::experts("30B gate_up x8", 1536, 2048, 8, 32),
+        BenchShape::experts_down("30B down x8", 2048, 768, 8, 32),
         BenchShape::dense("235B lm_head", 151_936, 4096),
         BenchShape::dense("235B q_proj", 8192, 4096),
         BenchShape::experts("235B gate_up x8", 3072, 4096, 8, 32),
+        BenchShape::experts_down("235B down x8", 4096, 1536, 8, 32),
+    ]
+    .into_iter()
+    .chain(qwen3_prefill_shapes())
+    .collect()
+}
+
+/// Qwen3-30B-A3B prefill of a 512-token chunk: q_proj, and the 128 experts' gate_up and down
+/// with top-8 routing (4096 slots, ≈ 32 per expert).
+pub fn qwen3_prefill_shapes() -> Vec<BenchShape> {
+    vec![
+        BenchShape::prefill("30B q_proj pf512", 4096, 2048, 512),
+        BenchShape::prefill_experts("30B gate_up pf512", 768, 2048, 512, 8, 128, true),
+        BenchShape::prefill_experts("30B down pf512", 2048, 768, 512, 8, 128, false),
     ]
 }
 
@@ -72,6 +153,14 @@ pub struct BenchRow {
     pub gbps: f64,
     /// `gbps` over the copy's GB/s.
     pub ratio: f64,
+    /// Prefill rows: tokens of the chunk (0: a decode row).
+    pub tokens: usize,
+    /// Prefill rows: "matvec" (the baseline), "matmul" or "expert_sort".
+    pub kernel: &'static str,
+    /// Prefill rows, matmul: its tile.
+    pub gemm: Option<MatMulTuning>,
+    /// Prefill rows: 2·rows·cols·slots (×2 gated) per second, in GFLOP/s (0 for the sort).
+    pub gflops: f64,
 }
 
 #[derive(Clone, Debug)]
@@ -89,12 +178,14 @@ impl fmt::Display for BenchReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "device: {} (timer: {})", self.device, self.timer)?;
         writeln!(f, "copy: {:.0} GB/s (read + write)", self.copy_gbps)?;
-        writeln!(
-            f,
-            "{:<18} {:<5} {:>10} {:>10} {:>9} {:>7}  tuning",
-            "shape", "dtype", "MB", "µs", "GB/s", "ratio"
-        )?;
-        for r in &self.rows {
+        if self.rows.iter().any(|r| r.tokens == 0) {
+            writeln!(
+                f,
+                "{:<18} {:<5} {:>10} {:>10} {:>9} {:>7}  tuning",
+                "shape", "dtype", "MB", "µs", "GB/s", "ratio"
+            )?;
+        }
+        for r in self.rows.iter().filter(|r| r.tokens == 0) {
             let t = &r.tuning;
             writeln!(
                 f,
@@ -112,6 +203,33 @@ impl fmt::Display for BenchReport {
                 } else {
                     String::new()
                 }
+            )?;
+        }
+        if self.rows.iter().any(|r| r.tokens > 0) {
+            writeln!(
+                f,
+                "prefill: GFLOP/s = 2·rows·cols·slots (×2 gated) / time; GB/s = weight bytes / time"
+            )?;
+            writeln!(
+                f,
+                "{:<18} {:<5} {:<22} {:>10} {:>9} {:>7}",
+                "shape", "dtype", "kernel", "µs", "GFLOP/s", "GB/s"
+            )?;
+        }
+        for r in self.rows.iter().filter(|r| r.tokens > 0) {
+            let kernel = match r.gemm {
+                Some(t) => format!("matmul {}x{}x{}", t.bm, t.bn, t.bk),
+                None => r.kernel.to_string(),
+            };
+            writeln!(
+                f,
+                "{:<18} {:<5} {:<22} {:>10.1} {:>9.0} {:>7.0}",
+                r.shape,
+                r.dtype.name(),
+                kernel,
+                r.micros,
+                r.gflops,
+                r.gbps
             )?;
         }
         for e in &self.errors {
@@ -166,6 +284,32 @@ pub fn bench_kernels(
     let mut rows = vec![];
     let mut errors = vec![];
     for shape in shapes {
+        if shape.tokens > 0 {
+            let first = tunings.first().copied().unwrap_or_default();
+            for &dtype in dtypes {
+                let host = host_weights(shape, dtype);
+                for kernel in [Kernel::MatVec(first), Kernel::MatMul(None)] {
+                    run_prefill(ctx, &timer, shape, dtype, kernel, &host, iters, copy_gbps)
+                        .map(|r| rows.push(r))
+                        .unwrap_or_else(|e| errors.push(e));
+                }
+            }
+            if shape.experts > 0 {
+                run_prefill(
+                    ctx,
+                    &timer,
+                    shape,
+                    DType::Q4,
+                    Kernel::Sort,
+                    &[],
+                    iters,
+                    copy_gbps,
+                )
+                .map(|r| rows.push(r))
+                .unwrap_or_else(|e| errors.push(e));
+            }
+            continue;
+        }
         for &dtype in dtypes {
             let stacked = if shape.experts > 0 { shape.stack } else { 1 };
             let host = fill_weights(
@@ -195,10 +339,24 @@ pub fn bench_kernels(
                     micros: secs * 1e6,
                     gbps,
                     ratio: gbps / copy_gbps,
+                    tokens: 0,
+                    kernel: "matvec",
+                    gemm: None,
+                    gflops: 0.0,
                 });
             }
         }
     }
+    Ok(report(ctx, &timer, copy_gbps, rows, errors))
+}
+
+fn report(
+    ctx: &GpuContext,
+    timer: &Timer,
+    copy_gbps: f64,
+    rows: Vec<BenchRow>,
+    errors: Vec<String>,
+) -> BenchReport {
     let a = &ctx.info().adapter;
     let device = format!("{} ({:?}, {})", a.name, a.backend, a.driver_info);
     let timer_name = if timer.query.is_some() {
@@ -206,13 +364,73 @@ pub fn bench_kernels(
     } else {
         "wall clock"
     };
-    Ok(BenchReport {
+    BenchReport {
         device,
         timer: timer_name,
         copy_gbps,
         rows,
         errors,
+    }
+}
+
+/// One prefill row, or the error text.
+#[allow(clippy::too_many_arguments)]
+fn run_prefill(
+    ctx: &GpuContext,
+    timer: &Timer,
+    shape: &BenchShape,
+    dtype: DType,
+    kernel: Kernel,
+    host: &[u8],
+    iters: usize,
+    copy_gbps: f64,
+) -> Result<BenchRow, String> {
+    let (bytes, secs, gemm) = bench_prefill(ctx, timer, shape, dtype, kernel, host, iters)
+        .map_err(|e| format!("{} {dtype} {kernel:?}: {e}", shape.name))?;
+    let gbps = bytes as f64 / secs / 1e9;
+    let (name, tuning, flops) = match kernel {
+        Kernel::MatVec(t) => ("matvec", t, shape.flops()),
+        Kernel::MatMul(_) => ("matmul", MatVecTuning::default(), shape.flops()),
+        Kernel::Sort => ("expert_sort", MatVecTuning::default(), 0),
+    };
+    Ok(BenchRow {
+        shape: shape.name.clone(),
+        dtype,
+        tuning,
+        bytes,
+        micros: secs * 1e6,
+        gbps,
+        ratio: gbps / copy_gbps,
+        tokens: shape.tokens,
+        kernel: name,
+        gemm,
+        gflops: flops as f64 / secs / 1e9,
     })
+}
+
+/// The GEMM on prefill `shapes` under each of `tunings` (a launch-shape sweep).
+pub fn bench_gemm_tunings(
+    ctx: &GpuContext,
+    shapes: &[BenchShape],
+    dtypes: &[DType],
+    tunings: &[MatMulTuning],
+    iters: usize,
+) -> Result<BenchReport, GpuError> {
+    let timer = Timer::new(ctx);
+    let copy_gbps = bench_copy(ctx, &timer, iters)?;
+    let (mut rows, mut errors) = (vec![], vec![]);
+    for shape in shapes.iter().filter(|s| s.tokens > 0) {
+        for &dtype in dtypes {
+            let host = host_weights(shape, dtype);
+            for &t in tunings {
+                let k = Kernel::MatMul(Some(t));
+                run_prefill(ctx, &timer, shape, dtype, k, &host, iters, copy_gbps)
+                    .map(|r| rows.push(r))
+                    .unwrap_or_else(|e| errors.push(e));
+            }
+        }
+    }
+    Ok(report(ctx, &timer, copy_gbps, rows, errors))
 }
 
 #[repr(C)]
@@ -264,12 +482,19 @@ fn bench_matvec(
     iters: usize,
 ) -> Result<(u64, f64), GpuError> {
     let (rows, cols) = (shape.rows, shape.cols);
-    let x = ctx.upload_f32("bench x", &vec![0.01f32; cols]);
+    // A reduce reads one input per expert.
+    let x_rows = if shape.reduce { shape.experts } else { 1 };
+    let x = ctx.upload_f32("bench x", &vec![0.01f32; cols * x_rows]);
+    let wts = ctx.upload_f32(
+        "bench router weights",
+        &vec![0.125f32; shape.experts.max(1)],
+    );
     let stride = dtype.row_stride(cols) as u64;
     let grouped = shape.experts > 0;
-    // Grouped: each expert holds gate then up, `rows / 2` rows each.
-    let out_rows = if grouped { rows / 2 } else { rows };
-    let mat_bytes = out_rows as u64 * stride * if grouped { 2 } else { 1 };
+    let gated = grouped && !shape.reduce;
+    // Grouped gate_up: each expert holds gate then up, `rows / 2` rows each.
+    let out_rows = if gated { rows / 2 } else { rows };
+    let mat_bytes = out_rows as u64 * stride * if gated { 2 } else { 1 };
     let n_mats = if grouped { shape.stack } else { 1 };
     let buf_bytes = mat_bytes * n_mats as u64;
     let max_buf = ctx.limits().max_buffer_size;
@@ -301,7 +526,7 @@ fn bench_matvec(
                 rows: out_rows,
                 cols,
             },
-            up_offset: grouped.then_some(out_rows as u64 * stride),
+            up_offset: gated.then_some(out_rows as u64 * stride),
             x: BufRef::new(&x),
             y: BufRef::new(&y),
             n_tokens: 1,
@@ -311,11 +536,16 @@ fn bench_matvec(
                 n_slots: shape.experts,
                 n_mats,
                 mat_stride: mat_bytes,
-                x_per_slot: false,
+                x_per_slot: shape.reduce,
                 slots_per_x: 1,
             }),
         };
-        kernels.push(MatVec::with_tuning(ctx, &desc, tuning)?);
+        let fuse = Fuse {
+            accumulate: shape.reduce,
+            reduce: shape.reduce.then_some((BufRef::new(&wts), shape.experts)),
+            ..Fuse::default()
+        };
+        kernels.push(MatVec::fused_tuned(ctx, &desc, &fuse, tuning)?);
         keep.push((wbuf, idbuf));
     }
     let secs = timer.time(&|pass| (0..iters).for_each(|i| kernels[i % copies].record(pass)))?;

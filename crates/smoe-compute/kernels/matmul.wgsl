@@ -1,0 +1,326 @@
+// Token-batched quantized matrix multiply for prefill (CPU twin: cpu::matmul).
+//
+// y[t, r] = Σ_c W[r, c] · x[t, c]. GATED: silu(G·x) · (U·x) with U at w_up_off from G. GROUPED:
+// a stack of matrices (the experts of a layer); workgroup (row tile, e) multiplies expert e by
+// its slots perm[starts[e]..starts[e + 1]] (from expert_sort.wgsl), slot s reading x row
+// s / x_div and writing y row s.
+//
+// A register-tiled f32 GEMM (no subgroup operations, so any subgroup size works, and no tensor
+// cores: wgpu 30 offers none on NVIDIA). A workgroup owns BM weight rows × BN tokens; each
+// invocation holds an 8-row × 4-token block of sums in registers. Per K-step of BK columns the
+// weight tile is dequantized once into workgroup memory (so each weight is decoded once per BN
+// tokens, not once per token as in matvec) and the x tile staged beside it; the next step's raw
+// bytes are loaded into registers before the current step is multiplied, so global latency
+// overlaps arithmetic. Products are f32 × f32 of exactly the CPU twin's dequantized values.
+//
+// Measured on an H200 (2026-11-30; 512-token chunk, Qwen3-30B shapes; FP32 peak ≈ 67 TFLOP/s):
+// 25–27 TFLOP/s dense q_proj, 19–22 for the experts' gate_up and down (≈ 32 slots per
+// expert), 2.3–13× the matvec path. Tried and slower there: 8 × 8 blocks per invocation (more
+// registers, fewer workgroups per SM), double-buffered tiles (one barrier per step: 15–40 %
+// slower), 32-column steps (more prefetch registers: 5–30 % slower).
+//
+// Layouts (chosen so that no workgroup-memory access conflicts on 32 banks):
+// - ws[kk][BM/4] vec4s: weight value of tile row i at step position kk is component i % 4 of
+//   vec4 kk·BM/4 + i/4. An invocation's rows are vec4s ir and ir + TR, i.e. rows 4ir..4ir+3 and
+//   BM/2 + 4ir..: with GATED the first half of the tile holds G rows and the second the same U
+//   rows, so each invocation owns both halves of its outputs.
+// - xs[kk][BN/4] vec4s, likewise by token; an invocation's tokens are vec4 it.
+// - A group of 32 invocations (one NVIDIA warp) covers 8 row vec4s × 4 token vec4s: per step
+//   position, one 128-byte and one 64-byte workgroup read for 32 FMAs per invocation.
+// - Step positions follow the storage order of the codes, which is the column order except for
+//   q4, whose byte j of a 64-group holds columns j and j + 32: there position p is column p
+//   with bits 4 and 5 swapped, and x is staged in that order.
+
+struct Params {
+    rows: u32,         // output rows (of this part)
+    cols: u32,
+    n_tok: u32,        // dense: tokens
+    row_stride: u32,   // vec4<u32> per stored row
+    w_off: u32,        // vec4 index of row 0 of matrix 0, relative to the binding
+    w_mat_stride: u32, // vec4s between stacked matrices (GROUPED)
+    w_up_off: u32,     // vec4s from the gate matrix to the up matrix (GATED)
+    param_word: u32,   // u32 index within a row where the f16 group parameters start
+    x_off: u32,        // vec4 index of x row 0
+    x_tok: u32,        // vec4s between x rows
+    x_div: u32,        // GROUPED: slots that share one x row (slot s reads row s / x_div); >= 1
+    y_off: u32,        // f32 index of y row 0, output row 0 of this part
+    y_tok: u32,        // f32s between y rows
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
+}
+
+override DTYPE: u32 = 2u; // 0 bf16, 1 q8, 2 q4, 3 q2
+override BM: u32 = 128u;  // weight rows per tile: 64 or 128
+override BN: u32 = 64u;   // tokens per tile: a multiple of 16, at most 128
+override BK: u32 = 16u;   // step positions per K-step: 16 or 32
+override GATED: bool = false;
+override GROUPED: bool = false;
+override TR: u32 = BM / 8u; // invocations along rows (8 rows each)
+override TT: u32 = BN / 4u; // invocations along tokens (4 tokens each)
+override WG: u32 = TR * TT;
+// Output rows per tile.
+override OR: u32 = select(BM, BM / 2u, GATED);
+// Step positions one staging piece decodes: one 16-byte chunk of bf16, else 16 codes.
+override PV: u32 = select(16u, 8u, DTYPE == 0u);
+// Step positions per 16-byte chunk of codes.
+override CPV: u32 = 8u << DTYPE;
+override W_PIECES: u32 = BM * BK / PV;
+override X_PIECES: u32 = BN * BK / 4u;
+// Pieces per invocation (at most MAXP; the wrapper checks).
+override WP: u32 = (W_PIECES + WG - 1u) / WG;
+override XP: u32 = (X_PIECES + WG - 1u) / WG;
+const MAXP: u32 = 4u;
+const INVALID: u32 = 0xffffffffu;
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> w: array<vec4<u32>>;
+@group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> y: array<f32>;
+@group(0) @binding(4) var<storage, read> starts: array<u32>;
+@group(0) @binding(5) var<storage, read> perm: array<u32>;
+
+var<workgroup> ws: array<vec4<f32>, BK * BM / 4u>;
+var<workgroup> xs: array<vec4<f32>, BK * BN / 4u>;
+// Per token of the tile: its token (GROUPED: slot) index, INVALID past the end; and the vec4
+// index of its x row (a valid row even past the end, so staging needs no branch).
+var<workgroup> tok: array<u32, BN>;
+var<workgroup> xrow: array<u32, BN>;
+var<workgroup> jrange: vec2<u32>;
+
+// The next step's raw bytes, loaded before the current step is multiplied.
+var<private> wraw: array<vec4<u32>, MAXP>;
+var<private> wpar: array<u32, MAXP>;
+var<private> xraw: array<vec4<f32>, MAXP>;
+
+// vec4 index of the stored row behind tile row i.
+fn wrow(wbase: u32, r0: u32, i: u32) -> u32 {
+    var o = i;
+    var up = 0u;
+    if GATED && i >= OR {
+        o = i - OR;
+        up = p.w_up_off;
+    }
+    // Rows past the end repeat the last row (their sums are never stored): no branch, no
+    // read outside the matrix.
+    let row = min(r0 + o, p.rows - 1u);
+    return wbase + row * p.row_stride + up;
+}
+
+// Column of step position pos (pos a multiple of 4; the 4 columns from there are consecutive).
+fn column(pos: u32) -> u32 {
+    if DTYPE == 2u {
+        return (pos & ~0x30u) | ((pos & 0x10u) << 1u) | ((pos & 0x20u) >> 1u);
+    }
+    return pos;
+}
+
+// Issues the global loads of the step at position c0.
+fn load_step(li: u32, c0: u32, wbase: u32, r0: u32) {
+    for (var n = 0u; n < WP; n++) {
+        let d = li + n * WG;
+        if d < W_PIECES {
+            let i = d % BM;
+            let p0 = c0 + (d / BM) * PV;
+            var q = vec4<u32>(0u);
+            var pw = 0u;
+            // Only bf16 can have a partial last step (cols % 8 == 0); quantized cols are
+            // multiples of 64.
+            if p0 < p.cols {
+                let rb = wrow(wbase, r0, i);
+                q = w[rb + p0 / CPV];
+                if DTYPE != 0u {
+                    let g = p0 / 64u;
+                    let wi = p.param_word + select(g / 2u, g, DTYPE == 3u);
+                    pw = w[rb + wi / 4u][wi % 4u];
+                }
+            }
+            wraw[n] = q;
+            wpar[n] = pw;
+        }
+    }
+    for (var n = 0u; n < XP; n++) {
+        let d = li + n * WG;
+        if d < X_PIECES {
+            let pos = c0 + 4u * (d / BN);
+            var v = vec4<f32>(0.0);
+            if pos < p.cols {
+                v = x[xrow[d % BN] + column(pos) / 4u];
+            }
+            xraw[n] = v;
+        }
+    }
+}
+
+fn put4(kk: u32, i: u32, v: vec4<f32>) {
+    let at = kk * (BM / 4u) + i / 4u;
+    let c = i % 4u;
+    ws[at][c] = v.x;
+    ws[at + BM / 4u][c] = v.y;
+    ws[at + 2u * (BM / 4u)][c] = v.z;
+    ws[at + 3u * (BM / 4u)][c] = v.w;
+}
+
+// Decodes the loaded step (at position c0) into ws and xs.
+fn store_step(li: u32, c0: u32) {
+    for (var n = 0u; n < WP; n++) {
+        let d = li + n * WG;
+        if d < W_PIECES {
+            let i = d % BM;
+            let kk = (d / BM) * PV;
+            let p0 = c0 + kk;
+            let q = wraw[n];
+            let pw = wpar[n];
+            switch DTYPE {
+                case 0u: {
+                    // bf16 → f32 is a 16-bit shift; word j holds positions 2j, 2j + 1.
+                    put4(kk, i, bitcast<vec4<f32>>(vec4<u32>(q.x << 16u, q.x & 0xffff0000u, q.y << 16u, q.y & 0xffff0000u)));
+                    put4(kk + 4u, i, bitcast<vec4<f32>>(vec4<u32>(q.z << 16u, q.z & 0xffff0000u, q.w << 16u, q.w & 0xffff0000u)));
+                }
+                case 1u: {
+                    let dq = unpack2x16float(pw)[(p0 / 64u) % 2u];
+                    for (var j = 0u; j < 4u; j++) {
+                        put4(kk + 4u * j, i, dq * vec4<f32>(unpack4xI8(q[j])));
+                    }
+                }
+                case 2u: {
+                    // Positions p0.. are the low (or, for odd p0 / 16, high) nibbles of the chunk.
+                    let dq = unpack2x16float(pw)[(p0 / 64u) % 2u];
+                    let sh = 4u * ((p0 / 16u) % 2u);
+                    for (var j = 0u; j < 4u; j++) {
+                        let c = vec4<f32>(unpack4xU8((q[j] >> sh) & 0x0f0f0f0fu));
+                        put4(kk + 4u * j, i, dq * (c - 8.0));
+                    }
+                }
+                default: {
+                    // q2: positions p0.. are bits 2i..2i+2 of the group's 16 bytes, i = p0 / 16 % 4.
+                    let dm = unpack2x16float(pw);
+                    let sh = 2u * ((p0 / 16u) % 4u);
+                    for (var j = 0u; j < 4u; j++) {
+                        let c = vec4<f32>(unpack4xU8((q[j] >> sh) & 0x03030303u));
+                        put4(kk + 4u * j, i, dm.x * c + dm.y);
+                    }
+                }
+            }
+        }
+    }
+    for (var n = 0u; n < XP; n++) {
+        let d = li + n * WG;
+        if d < X_PIECES {
+            // Position 4·(d / BN).., token t: consecutive invocations, consecutive tokens.
+            let t = d % BN;
+            let at = 4u * (d / BN) * (BN / 4u) + t / 4u;
+            let c = t % 4u;
+            let v = xraw[n];
+            xs[at][c] = v.x;
+            xs[at + BN / 4u][c] = v.y;
+            xs[at + 2u * (BN / 4u)][c] = v.z;
+            xs[at + 3u * (BN / 4u)][c] = v.w;
+        }
+    }
+}
+
+// Writes the sums of token vec4 tv: acc[i] for i < 4 are rows r0 + 4ir + i, the others BM/2
+// further (GATED: the up sums of the same rows). Rows and tokens past the end are dropped.
+fn store_sums(r0: u32, tv: u32, ir: u32, acc: array<vec4<f32>, 8>) {
+    for (var c = 0u; c < 4u; c++) {
+        let s = tok[4u * tv + c];
+        if s == INVALID {
+            continue;
+        }
+        let yb = p.y_off + s * p.y_tok;
+        for (var i = 0u; i < 4u; i++) {
+            let o = r0 + 4u * ir + i;
+            if GATED {
+                if o < p.rows {
+                    let g = acc[i][c];
+                    y[yb + o] = g / (1.0 + exp(-g)) * acc[i + 4u][c];
+                }
+            } else {
+                if o < p.rows {
+                    y[yb + o] = acc[i][c];
+                }
+                if o + BM / 2u < p.rows {
+                    y[yb + o + BM / 2u] = acc[i + 4u][c];
+                }
+            }
+        }
+    }
+}
+
+@compute @workgroup_size(WG)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    // Invocation → (row vec4 ir, token vec4 it), 32 consecutive invocations covering 8 × 4.
+    let lane = li % 32u;
+    let blk = li / 32u;
+    let ir = lane % 8u + 8u * (blk % (TR / 8u));
+    let it = lane / 8u + 4u * (blk / (TR / 8u));
+    let r0 = wid.x * OR;
+    var wbase = p.w_off;
+    var jb = wid.y * BN;
+    var je = min(jb + BN, p.n_tok);
+    if GROUPED {
+        let e = wid.y;
+        wbase += e * p.w_mat_stride;
+        if li == 0u {
+            jrange = vec2<u32>(starts[e], starts[e + 1u]);
+        }
+        // Through workgroup memory so that the loop bounds are provably uniform.
+        let r = workgroupUniformLoad(&jrange);
+        jb = r.x;
+        je = r.y;
+    }
+    for (var j0 = jb; j0 < je; j0 += BN) {
+        let nvalid = min(BN, je - j0);
+        // Nobody may still read the previous token tile's tok[].
+        workgroupBarrier();
+        for (var t = li; t < BN; t += WG) {
+            let j = j0 + min(t, nvalid - 1u);
+            var s = j;
+            if GROUPED {
+                s = perm[j];
+            }
+            tok[t] = select(INVALID, s, t < nvalid);
+            xrow[t] = p.x_off + (s / p.x_div) * p.x_tok;
+        }
+        workgroupBarrier();
+        // Sums: *0..*3 the rows 4ir.., *4..*7 the rows BM/2 + 4ir.. (GATED: their up sums).
+        var a0 = vec4<f32>(0.0);
+        var a1 = vec4<f32>(0.0);
+        var a2 = vec4<f32>(0.0);
+        var a3 = vec4<f32>(0.0);
+        var a4 = vec4<f32>(0.0);
+        var a5 = vec4<f32>(0.0);
+        var a6 = vec4<f32>(0.0);
+        var a7 = vec4<f32>(0.0);
+        load_step(li, 0u, wbase, r0);
+        for (var c0 = 0u; c0 < p.cols; c0 += BK) {
+            // Nobody may still read the previous step's tiles.
+            workgroupBarrier();
+            store_step(li, c0);
+            workgroupBarrier();
+            if c0 + BK < p.cols {
+                load_step(li, c0 + BK, wbase, r0);
+            }
+            // Invocations whose 4 tokens are all past the end skip the arithmetic: in a partly
+            // filled tile (an expert with few slots) whole warps then idle and leave the SM to
+            // other workgroups.
+            if 4u * it < nvalid {
+                for (var kk = 0u; kk < BK; kk++) {
+                    let wa = ws[kk * (BM / 4u) + ir];
+                    let wb = ws[kk * (BM / 4u) + ir + TR];
+                    let xa = xs[kk * (BN / 4u) + it];
+                    a0 += wa.x * xa;
+                    a1 += wa.y * xa;
+                    a2 += wa.z * xa;
+                    a3 += wa.w * xa;
+                    a4 += wb.x * xa;
+                    a5 += wb.y * xa;
+                    a6 += wb.z * xa;
+                    a7 += wb.w * xa;
+                }
+            }
+        }
+        store_sums(r0, it, ir, array<vec4<f32>, 8>(a0, a1, a2, a3, a4, a5, a6, a7));
+    }
+}

@@ -1,0 +1,154 @@
+//! Prefill measurements for `gpu::bench`: a chunk of tokens through one projection (dense) or
+//! through a layer's experts (grouped, ids from a pseudo-random top-k router), by the GEMM and,
+//! as the baseline, by the decode matvec the prefill used before (≤ 8 tokens per workgroup, one
+//! slot at a time for experts).
+
+use super::timer::Timer;
+use super::{fill_weights, BenchShape};
+use crate::gpu::buffers::BufRef;
+use crate::gpu::context::{GpuContext, GpuError};
+use crate::gpu::expert_sort::ExpertSort;
+use crate::gpu::matmul::{MatMul, MatMulDesc, MatMulGrouped, MatMulTuning};
+use crate::gpu::matvec::{Grouped, MatVec, MatVecDesc, MatVecTuning, WeightRef};
+use smoe_vault::quant::DType;
+
+/// What to run on a prefill shape.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Kernel {
+    MatVec(MatVecTuning),
+    /// `None`: the tile `MatMul::new` picks.
+    MatMul(Option<MatMulTuning>),
+    Sort,
+}
+
+/// Token `t`'s `k` distinct experts of `n`, from a fixed xorshift stream: routing with no
+/// favourites (≈ tokens·k/n slots per expert).
+pub fn pseudo_random_ids(tokens: usize, k: usize, n: usize) -> Vec<u32> {
+    let mut s = 0x9E37_79B9_7F4A_7C15u64;
+    let mut ids = Vec::with_capacity(tokens * k);
+    for _ in 0..tokens {
+        let first = ids.len();
+        while ids.len() < first + k.min(n) {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let e = (s % n as u64) as u32;
+            if !ids[first..].contains(&e) {
+                ids.push(e);
+            }
+        }
+    }
+    ids
+}
+
+/// Host copy of one shape's weights (all experts for a grouped shape), made once per dtype.
+pub(super) fn host_weights(shape: &BenchShape, dtype: DType) -> Vec<u8> {
+    let mats = if shape.experts > 0 { shape.stack } else { 1 };
+    let halves = 1 + shape.gated as usize;
+    fill_weights(
+        dtype,
+        shape.rows * halves * mats,
+        shape.cols,
+        0x5eed + shape.rows as u64,
+    )
+}
+
+/// (weight bytes per call, seconds per call, the GEMM's tile) of `kernel` on a prefill shape.
+pub(super) fn bench_prefill(
+    ctx: &GpuContext,
+    timer: &Timer,
+    shape: &BenchShape,
+    dtype: DType,
+    kernel: Kernel,
+    host: &[u8],
+    iters: usize,
+) -> Result<(u64, f64, Option<MatMulTuning>), GpuError> {
+    let (rows, cols, tokens) = (shape.rows, shape.cols, shape.tokens);
+    let grouped = shape.experts > 0;
+    let k = shape.experts.max(1);
+    let stride = dtype.row_stride(cols) as u64;
+    let mat_bytes = rows as u64 * stride * (1 + shape.gated as u64);
+    let n_mats = if grouped { shape.stack } else { 1 };
+    let n_slots = if grouped { tokens * k } else { tokens };
+    // gate_up: a token's k slots read its row of x; down: each slot its own.
+    let x_div = if shape.gated { k } else { 1 };
+    let x_rows = if grouped { n_slots / x_div } else { tokens };
+    let x = ctx.upload_f32("bench x", &vec![0.01f32; x_rows * cols]);
+    let y = ctx.storage_buffer("bench y", 4 * (n_slots * rows) as u64);
+    let ids = ctx.upload(
+        "bench ids",
+        bytemuck::cast_slice(&pseudo_random_ids(tokens, k, n_mats)),
+    );
+    let sort = ExpertSort::new(ctx, BufRef::new(&ids), n_slots, n_mats)?;
+    if let Kernel::Sort = kernel {
+        let secs = timer.time(&|pass| (0..iters).for_each(|_| sort.record(pass)))?;
+        return Ok((0, secs / iters as f64, None));
+    }
+    let mut enc = ctx.encoder();
+    sort.encode(&mut enc);
+    ctx.submit_wait(enc);
+    // Compute-bound: one copy of the weights suffices once it is larger than the L2 cache.
+    let buf_bytes = host.len() as u64;
+    let copies = super::ROTATE_BYTES.div_ceil(buf_bytes).clamp(1, 16) as usize;
+    let mut keep = vec![];
+    for _ in 0..copies {
+        keep.push(ctx.upload("bench weights", host));
+    }
+    let mut recs: Vec<Box<dyn Fn(&mut wgpu::ComputePass<'_>)>> = vec![];
+    let mut tile = None;
+    for wbuf in &keep {
+        let w = WeightRef {
+            buffer: wbuf,
+            offset: 0,
+            dtype,
+            rows,
+            cols,
+        };
+        let up_offset = shape.gated.then_some(rows as u64 * stride);
+        match kernel {
+            Kernel::MatVec(t) => {
+                let d = MatVecDesc {
+                    w,
+                    up_offset,
+                    x: BufRef::new(&x),
+                    y: BufRef::new(&y),
+                    n_tokens: if grouped { 1 } else { tokens },
+                    grouped: grouped.then_some(Grouped {
+                        ids: &ids,
+                        ids_offset: 0,
+                        n_slots,
+                        n_mats,
+                        mat_stride: mat_bytes,
+                        x_per_slot: true,
+                        slots_per_x: x_div,
+                    }),
+                };
+                let mv = MatVec::with_tuning(ctx, &d, t)?;
+                recs.push(Box::new(move |p| mv.record(p)));
+            }
+            Kernel::MatMul(t) => {
+                let d = MatMulDesc {
+                    w,
+                    up_offset,
+                    x: BufRef::new(&x),
+                    y: BufRef::new(&y),
+                    n_tokens: tokens,
+                    grouped: grouped.then_some(MatMulGrouped {
+                        sort: &sort,
+                        mat_stride: mat_bytes,
+                        x_div,
+                    }),
+                };
+                let mm = match t {
+                    Some(t) => MatMul::with_tuning(ctx, &d, t)?,
+                    None => MatMul::new(ctx, &d)?,
+                };
+                tile = Some(mm.tuning());
+                recs.push(Box::new(move |p| mm.record(p)));
+            }
+            Kernel::Sort => unreachable!(),
+        }
+    }
+    let secs = timer.time(&|pass| (0..iters).for_each(|i| recs[i % copies](pass)))?;
+    Ok((buf_bytes, secs / iters as f64, tile))
+}

@@ -1,0 +1,112 @@
+//! Wrapper of `kernels/expert_sort.wgsl`: groups a prefill chunk's routed slots by expert, for
+//! the grouped `MatMul`.
+
+use super::buffers::{Binding, BufRef};
+use super::context::{GpuContext, GpuError};
+use super::ops::{recordable, Dispatch};
+
+#[repr(C)]
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct Params {
+    n_slots: u32,
+    n_mats: u32,
+    ids_off: u32,
+    _pad: u32,
+}
+
+/// Most experts a sort handles (the expert id takes 12 bits of a sort key).
+pub const SORT_MAX_EXPERTS: usize = 4096;
+/// Most slots a sort handles (20 bits of a sort key); workgroup memory limits them further to
+/// the largest power of two ≤ `max_compute_workgroup_storage_size / 4` (4096 at 16 KiB, 8192 at
+/// 32 and 48 KiB).
+pub const SORT_MAX_SLOTS: usize = 1 << 20;
+
+/// From `ids` (`[n_slots]` u32: slot `t·k + j` holds the expert of token `t`'s j-th choice, each
+/// `< n_mats`) writes, in buffers it owns:
+/// - `starts`: `[n_mats + 1]` u32, where expert `e`'s slots begin in `perm` (`starts[n_mats]` is
+///   `n_slots`);
+/// - `perm`: `[n_slots]` u32, the slot indices grouped by expert, ascending within an expert.
+///
+/// Deterministic (a sort of distinct keys). An id `≥ n_mats` is treated as `n_mats - 1`.
+pub struct ExpertSort {
+    d: Dispatch,
+    starts: wgpu::Buffer,
+    perm: wgpu::Buffer,
+    n_slots: usize,
+    n_mats: usize,
+}
+
+impl ExpertSort {
+    pub fn new(
+        ctx: &GpuContext,
+        ids: BufRef,
+        n_slots: usize,
+        n_mats: usize,
+    ) -> Result<Self, GpuError> {
+        let limits = ctx.limits();
+        if n_slots == 0 || n_mats == 0 || n_mats > SORT_MAX_EXPERTS || n_slots > SORT_MAX_SLOTS {
+            return Err(GpuError::Shape(format!(
+                "expert sort: {n_slots} slots over {n_mats} experts \
+                 (1..={SORT_MAX_SLOTS} slots, 1..={SORT_MAX_EXPERTS} experts)"
+            )));
+        }
+        let keys = n_slots.next_power_of_two().max(2);
+        let room = limits.max_compute_workgroup_storage_size as usize / 4;
+        if keys > room {
+            return Err(GpuError::Shape(format!(
+                "expert sort: {n_slots} slots need {} bytes of workgroup memory, the device has {}",
+                4 * keys,
+                limits.max_compute_workgroup_storage_size
+            )));
+        }
+        // KEYS / 2 compare pairs per stage: up to one per invocation, so that each stage between
+        // two barriers is as short as the device allows.
+        let wg = (keys / 2).clamp(32, 1024).min(
+            (limits.max_compute_invocations_per_workgroup as usize)
+                .min(limits.max_compute_workgroup_size_x as usize),
+        );
+        let (ib, ids_off) = ids.bind(ctx, "expert sort ids", n_slots, 4)?;
+        let starts = ctx.storage_buffer("expert sort starts", 4 * (n_mats as u64 + 1));
+        let perm = ctx.storage_buffer("expert sort perm", 4 * n_slots as u64);
+        let p = Params {
+            n_slots: n_slots as u32,
+            n_mats: n_mats as u32,
+            ids_off,
+            _pad: 0,
+        };
+        let d = Dispatch::new(
+            ctx,
+            "expert_sort",
+            &[("KEYS", keys as f64), ("WG", wg as f64)],
+            &p,
+            &[ib, Binding::whole(&starts), Binding::whole(&perm)],
+            [1, 1, 1],
+        )?;
+        Ok(ExpertSort {
+            d,
+            starts,
+            perm,
+            n_slots,
+            n_mats,
+        })
+    }
+
+    /// `[n_mats + 1]` u32: expert `e`'s slots are `perm[starts[e]..starts[e + 1]]`.
+    pub fn starts(&self) -> &wgpu::Buffer {
+        &self.starts
+    }
+
+    /// `[n_slots]` u32: slot indices grouped by expert, ascending within one.
+    pub fn perm(&self) -> &wgpu::Buffer {
+        &self.perm
+    }
+
+    pub fn n_slots(&self) -> usize {
+        self.n_slots
+    }
+
+    pub fn n_mats(&self) -> usize {
+        self.n_mats
+    }
+}
+recordable!(ExpertSort, "expert_sort", d);

@@ -1,0 +1,298 @@
+//! Wrapper of `kernels/matmul.wgsl`: token-batched matrix multiply for prefill, dense, gated
+//! (silu(G·x)·(U·x)) and grouped by expert (after an `ExpertSort`). Reads each weight tile once
+//! per tile of tokens, where `MatVec` reads it once per ≤ 8 tokens (and once per slot for
+//! experts).
+
+use super::buffers::{Binding, BufRef};
+use super::context::{GpuContext, GpuError};
+use super::expert_sort::ExpertSort;
+use super::matvec::WeightRef;
+use super::parts::split_rows;
+use smoe_vault::quant::DType;
+
+/// Grouped product: the weights are a stack of `sort.n_mats()` matrices `mat_stride` bytes
+/// apart (an expert section: `WeightRef::offset` is expert 0's tensor, `mat_stride` the blob
+/// stride), and slot `s` is multiplied by the matrix of its expert (as grouped by `sort`).
+#[derive(Clone, Copy)]
+pub struct MatMulGrouped<'a> {
+    pub sort: &'a ExpertSort,
+    pub mat_stride: u64,
+    /// Slots that share one row of `x`: slot `s` reads row `s / x_div`. `k` for the experts'
+    /// gate_up, where token `t`'s k slots all read its normed hidden state; 1 for down, where
+    /// slot `s` reads its own gate_up output.
+    pub x_div: usize,
+}
+
+/// One product to record. Dense: `x` is `[n_tokens][cols]` f32 and `y` receives
+/// `[n_tokens][rows]` f32. Grouped: `x` is `[ceil(n_slots / x_div)][cols]` and `y` receives
+/// `[n_slots][rows]`; `n_tokens` is not used.
+#[derive(Clone, Copy)]
+pub struct MatMulDesc<'a> {
+    pub w: WeightRef<'a>,
+    /// Gated: byte offset from `w` to an up matrix of the same shape; `y = silu(W·x) · (U·x)`.
+    pub up_offset: Option<u64>,
+    pub x: BufRef<'a>,
+    pub y: BufRef<'a>,
+    pub n_tokens: usize,
+    pub grouped: Option<MatMulGrouped<'a>>,
+}
+
+/// Workgroup tile of the GEMM. Each invocation computes 8 rows × 4 tokens, so a workgroup has
+/// `bm / 8 · bn / 4` invocations; workgroup memory is `4 · bk · (bm + bn)` bytes plus 8 per token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MatMulTuning {
+    /// Weight rows per tile: 64 or 128 (gated: half gate rows, half the matching up rows).
+    pub bm: u32,
+    /// Tokens (grouped: slots of one expert) per tile: a multiple of 16, at most 128.
+    pub bn: u32,
+    /// Columns per K-step: 16 or 32.
+    pub bk: u32,
+}
+
+impl MatMulTuning {
+    /// What `MatMul::new` uses for `d`: 128-row tiles, 16-column steps, and a token tile that
+    /// fits the tokens: up to 64 dense, and 1.5× the mean slots per expert grouped, so that
+    /// most experts fill one tile most of the way (H200, 512 tokens × top-8 of 128 experts:
+    /// 48 beat 32 and 64 by 10–20 %; 128 × 128 dense gained 5 % on q_proj but leaves SMs idle
+    /// on smaller matrices). At most 256 invocations and 12.5 KiB of workgroup memory: within
+    /// WebGPU's default limits, so valid on every device.
+    pub fn default_for(d: &MatMulDesc) -> Self {
+        let want = match d.grouped {
+            Some(g) => 1.5 * g.sort.n_slots() as f64 / g.sort.n_mats() as f64,
+            None => d.n_tokens as f64,
+        };
+        let bn = (want.ceil() as u32).next_multiple_of(16).clamp(16, 64);
+        MatMulTuning {
+            bm: 128,
+            bn,
+            bk: 16,
+        }
+    }
+
+    /// Workgroup memory the kernel declares with this tile.
+    pub fn workgroup_bytes(&self) -> u64 {
+        4 * self.bk as u64 * (self.bm + self.bn) as u64 + 8 * self.bn as u64 + 8
+    }
+
+    fn invocations(&self) -> u32 {
+        self.bm / 8 * (self.bn / 4)
+    }
+
+    fn check(&self, ctx: &GpuContext, dtype: DType) -> Result<(), String> {
+        let l = ctx.limits();
+        // A group of 32 invocations covers 8 × 4 (row, token) blocks: bm / 8 and bn / 4 are
+        // multiples of 8 and 4.
+        if !matches!(self.bm, 64 | 128)
+            || self.bn % 16 != 0
+            || !(16..=128).contains(&self.bn)
+            || !matches!(self.bk, 16 | 32)
+        {
+            return Err(format!(
+                "tile {self:?}: bm 64 or 128, bn 16..=128 by 16, bk 16 or 32"
+            ));
+        }
+        let wg = self.invocations();
+        if wg > l.max_compute_invocations_per_workgroup || wg > l.max_compute_workgroup_size_x {
+            return Err(format!(
+                "tile {self:?}: {wg} invocations exceed the device's limit"
+            ));
+        }
+        if self.workgroup_bytes() > l.max_compute_workgroup_storage_size as u64 {
+            return Err(format!(
+                "tile {self:?}: {} bytes of workgroup memory, the device has {}",
+                self.workgroup_bytes(),
+                l.max_compute_workgroup_storage_size
+            ));
+        }
+        // Staging pieces per invocation, held in registers (MAXP in the kernel).
+        let pv = if dtype == DType::Bf16 { 8 } else { 16 };
+        let (w_pieces, x_pieces) = (self.bm * self.bk / pv, self.bn * self.bk / 4);
+        if w_pieces.div_ceil(wg) > 4 || x_pieces.div_ceil(wg) > 4 {
+            return Err(format!(
+                "tile {self:?}: more than 4 staging loads per invocation"
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
+struct Params {
+    rows: u32,
+    cols: u32,
+    n_tok: u32,
+    row_stride: u32,
+    w_off: u32,
+    w_mat_stride: u32,
+    w_up_off: u32,
+    param_word: u32,
+    x_off: u32,
+    x_tok: u32,
+    x_div: u32,
+    y_off: u32,
+    y_tok: u32,
+    _pad: [u32; 3],
+}
+
+fn dtype_code(d: DType) -> Result<f64, GpuError> {
+    Ok(match d {
+        DType::Bf16 => 0.0,
+        DType::Q8 => 1.0,
+        DType::Q4 => 2.0,
+        DType::Q2 => 3.0,
+        DType::F32 => {
+            return Err(GpuError::Shape(
+                "matmul: f32 weights are not supported; store bf16".into(),
+            ))
+        }
+    })
+}
+
+/// A recorded-at-load GEMM: one dispatch per part (a dense matrix larger than a storage binding
+/// is split by rows into parts).
+pub struct MatMul {
+    pipeline: wgpu::ComputePipeline,
+    parts: Vec<(wgpu::BindGroup, [u32; 3])>,
+    tuning: MatMulTuning,
+}
+
+impl MatMul {
+    pub fn new(ctx: &GpuContext, d: &MatMulDesc) -> Result<Self, GpuError> {
+        Self::with_tuning(ctx, d, MatMulTuning::default_for(d))
+    }
+
+    /// The tile this product runs with.
+    pub fn tuning(&self) -> MatMulTuning {
+        self.tuning
+    }
+
+    pub fn with_tuning(
+        ctx: &GpuContext,
+        d: &MatMulDesc,
+        tune: MatMulTuning,
+    ) -> Result<Self, GpuError> {
+        let w = d.w;
+        let err =
+            |m: String| GpuError::Shape(format!("matmul {}x{} {}: {m}", w.rows, w.cols, w.dtype));
+        w.dtype.check_cols(w.cols).map_err(err)?;
+        tune.check(ctx, w.dtype).map_err(err)?;
+        if w.cols % 8 != 0 || w.offset % 16 != 0 || w.rows == 0 {
+            return Err(err(
+                "cols must be a multiple of 8, offset of 16, rows > 0".into()
+            ));
+        }
+        if d.up_offset.is_some_and(|u| u % 16 != 0) {
+            return Err(err("up offset must be a multiple of 16".into()));
+        }
+        if d.grouped.is_none() && d.n_tokens == 0 {
+            return Err(err("tokens must be > 0".into()));
+        }
+        let (n_slots, n_mats, mat_stride, x_div) = match d.grouped {
+            Some(g) => (g.sort.n_slots(), g.sort.n_mats(), g.mat_stride, g.x_div),
+            None => (d.n_tokens, 1, 0, 1),
+        };
+        if mat_stride % 16 != 0 || x_div == 0 {
+            return Err(err(
+                "group stride must be a multiple of 16 and x_div > 0".into()
+            ));
+        }
+        let gated = d.up_offset.is_some();
+        let pipeline = ctx.pipeline(
+            "matmul",
+            &[
+                ("DTYPE", dtype_code(w.dtype)?),
+                ("BM", tune.bm as f64),
+                ("BN", tune.bn as f64),
+                ("BK", tune.bk as f64),
+                ("GATED", gated as u8 as f64),
+                ("GROUPED", d.grouped.is_some() as u8 as f64),
+            ],
+        )?;
+        let stride = w.dtype.row_stride(w.cols) as u64;
+        let (xb, x_off) =
+            d.x.bind(ctx, "matmul x", n_slots.div_ceil(x_div) * w.cols, 16)?;
+        let (yb, y_off) = d.y.bind(ctx, "matmul y", n_slots * w.rows, 4)?;
+        let unused;
+        let (sb, pb) = match d.grouped {
+            Some(g) => (
+                Binding::whole(g.sort.starts()),
+                Binding::whole(g.sort.perm()),
+            ),
+            None => {
+                unused = ctx.storage_buffer("matmul starts/perm (unused)", 16);
+                (Binding::whole(&unused), Binding::whole(&unused))
+            }
+        };
+        let extra = (n_mats as u64 - 1) * mat_stride + d.up_offset.unwrap_or(0);
+        let split = split_rows(ctx, &w, extra, d.grouped.is_none(), "matmul weights", &err)?;
+        let out_rows = if gated { tune.bm / 2 } else { tune.bm } as u64;
+        let max_wg = ctx.limits().max_compute_workgroups_per_dimension as u64;
+        let mut parts = vec![];
+        for part in split {
+            let params = Params {
+                rows: part.rows as u32,
+                cols: w.cols as u32,
+                n_tok: n_slots as u32,
+                row_stride: (stride / 16) as u32,
+                w_off: part.w_off,
+                w_mat_stride: (mat_stride / 16) as u32,
+                w_up_off: (d.up_offset.unwrap_or(0) / 16) as u32,
+                param_word: (w.dtype.code_bytes(w.cols) / 4) as u32,
+                x_off,
+                x_tok: (w.cols / 4) as u32,
+                x_div: x_div as u32,
+                y_off: y_off + part.r0 as u32,
+                y_tok: w.rows as u32,
+                _pad: [0; 3],
+            };
+            let pbuf = ctx.uniform("matmul params", &params);
+            let bind = ctx.bind_group(
+                "matmul",
+                &pipeline,
+                &[
+                    Binding::whole(&pbuf).entry(0),
+                    part.binding(&w).entry(1),
+                    xb.entry(2),
+                    yb.entry(3),
+                    sb.entry(4),
+                    pb.entry(5),
+                ],
+            )?;
+            // Grouped: one workgroup per (row tile, expert), looping over the expert's slots.
+            let groups = [
+                part.rows.div_ceil(out_rows),
+                match d.grouped {
+                    Some(_) => n_mats as u64,
+                    None => n_slots.div_ceil(tune.bn as usize) as u64,
+                },
+                1,
+            ];
+            if groups.iter().any(|g| *g > max_wg) {
+                return Err(err(format!(
+                    "dispatch {groups:?} exceeds {max_wg} workgroups per dimension"
+                )));
+            }
+            parts.push((bind, groups.map(|g| g as u32)));
+        }
+        Ok(MatMul {
+            pipeline,
+            parts,
+            tuning: tune,
+        })
+    }
+
+    /// Records the product into an open compute pass (grouped: after the `ExpertSort`).
+    pub fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
+        pass.set_pipeline(&self.pipeline);
+        for (bind, [x, y, z]) in &self.parts {
+            pass.set_bind_group(0, bind, &[]);
+            pass.dispatch_workgroups(*x, *y, *z);
+        }
+    }
+
+    /// Records the product into its own compute pass of `enc`.
+    pub fn encode(&self, enc: &mut wgpu::CommandEncoder) {
+        super::in_pass(enc, "matmul", |p| self.record(p));
+    }
+}
