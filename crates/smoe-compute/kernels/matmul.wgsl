@@ -1,9 +1,11 @@
 // Token-batched quantized matrix multiply for prefill (CPU twin: cpu::matmul).
 //
 // y[t, r] = Σ_c W[r, c] · x[t, c]. GATED: silu(G·x) · (U·x) with U at w_up_off from G. GROUPED:
-// a stack of matrices (the experts of a layer); workgroup (row tile, e) multiplies expert e by
-// its slots perm[starts[e]..starts[e + 1]] (from expert_sort.wgsl), slot s reading x row
-// s / x_div and writing y row s.
+// a stack of matrices (the experts of a layer), slot s reading x row s / x_div and writing y
+// row s; workgroup (row tile, u) multiplies expert e by the u-th unit of expert_sort.wgsl's work
+// list, one token tile of e's slots perm[starts[e]..starts[e + 1]]. A workgroup per (expert,
+// token tile) rather than per expert, so that a popular expert's tiles run in parallel: with
+// skewed routing one workgroup looping over an expert's hundreds of slots left the GPU idle.
 //
 // A register-tiled f32 GEMM (no subgroup operations, so any subgroup size works, and no tensor
 // cores: wgpu 30 offers none on NVIDIA). A workgroup owns BM weight rows × BN tokens; each
@@ -79,6 +81,8 @@ const INVALID: u32 = 0xffffffffu;
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
 @group(0) @binding(4) var<storage, read> starts: array<u32>;
 @group(0) @binding(5) var<storage, read> perm: array<u32>;
+// units[0]: the count of units; units[1 + u]: unit u = (expert << 20) | token tile index.
+@group(0) @binding(6) var<storage, read> units: array<u32>;
 
 var<workgroup> ws: array<vec4<f32>, BK * BM / 4u>;
 var<workgroup> xs: array<vec4<f32>, BK * BN / 4u>;
@@ -86,7 +90,8 @@ var<workgroup> xs: array<vec4<f32>, BK * BN / 4u>;
 // index of its x row (a valid row even past the end, so staging needs no branch).
 var<workgroup> tok: array<u32, BN>;
 var<workgroup> xrow: array<u32, BN>;
-var<workgroup> jrange: vec2<u32>;
+// GROUPED: this workgroup's perm range and expert.
+var<workgroup> unit: vec3<u32>;
 
 // The next step's raw bytes, loaded before the current step is multiplied.
 var<private> wraw: array<vec4<u32>, MAXP>;
@@ -257,70 +262,76 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let it = lane / 8u + 4u * (blk / (TR / 8u));
     let r0 = wid.x * OR;
     var wbase = p.w_off;
-    var jb = wid.y * BN;
-    var je = min(jb + BN, p.n_tok);
+    // The token tile: tokens (GROUPED: perm indices) j0..j0 + nvalid, 1 <= nvalid <= BN.
+    var j0 = wid.y * BN;
+    var nvalid = min(BN, p.n_tok - j0);
     if GROUPED {
-        let e = wid.y;
-        wbase += e * p.w_mat_stride;
         if li == 0u {
-            jrange = vec2<u32>(starts[e], starts[e + 1u]);
+            var r = vec3<u32>(0u); // past the count: nothing to do
+            if wid.y < units[0] {
+                let w = units[1u + wid.y];
+                let e = w >> 20u;
+                let jb = starts[e] + (w & 0xfffffu) * BN;
+                r = vec3<u32>(jb, min(jb + BN, starts[e + 1u]) - jb, e);
+            }
+            unit = r;
         }
-        // Through workgroup memory so that the loop bounds are provably uniform.
-        let r = workgroupUniformLoad(&jrange);
-        jb = r.x;
-        je = r.y;
+        // Through workgroup memory so that the early return and the barriers after it are
+        // provably uniform.
+        let r = workgroupUniformLoad(&unit);
+        if r.y == 0u {
+            return;
+        }
+        j0 = r.x;
+        nvalid = r.y;
+        wbase += r.z * p.w_mat_stride;
     }
-    for (var j0 = jb; j0 < je; j0 += BN) {
-        let nvalid = min(BN, je - j0);
-        // Nobody may still read the previous token tile's tok[].
-        workgroupBarrier();
-        for (var t = li; t < BN; t += WG) {
-            let j = j0 + min(t, nvalid - 1u);
-            var s = j;
-            if GROUPED {
-                s = perm[j];
-            }
-            tok[t] = select(INVALID, s, t < nvalid);
-            xrow[t] = p.x_off + (s / p.x_div) * p.x_tok;
+    for (var t = li; t < BN; t += WG) {
+        let j = j0 + min(t, nvalid - 1u);
+        var s = j;
+        if GROUPED {
+            s = perm[j];
         }
-        workgroupBarrier();
-        // Sums: *0..*3 the rows 4ir.., *4..*7 the rows BM/2 + 4ir.. (GATED: their up sums).
-        var a0 = vec4<f32>(0.0);
-        var a1 = vec4<f32>(0.0);
-        var a2 = vec4<f32>(0.0);
-        var a3 = vec4<f32>(0.0);
-        var a4 = vec4<f32>(0.0);
-        var a5 = vec4<f32>(0.0);
-        var a6 = vec4<f32>(0.0);
-        var a7 = vec4<f32>(0.0);
-        load_step(li, 0u, wbase, r0);
-        for (var c0 = 0u; c0 < p.cols; c0 += BK) {
-            // Nobody may still read the previous step's tiles.
-            workgroupBarrier();
-            store_step(li, c0);
-            workgroupBarrier();
-            if c0 + BK < p.cols {
-                load_step(li, c0 + BK, wbase, r0);
-            }
-            // Invocations whose 4 tokens are all past the end skip the arithmetic: in a partly
-            // filled tile (an expert with few slots) whole warps then idle and leave the SM to
-            // other workgroups.
-            if 4u * it < nvalid {
-                for (var kk = 0u; kk < BK; kk++) {
-                    let wa = ws[kk * (BM / 4u) + ir];
-                    let wb = ws[kk * (BM / 4u) + ir + TR];
-                    let xa = xs[kk * (BN / 4u) + it];
-                    a0 += wa.x * xa;
-                    a1 += wa.y * xa;
-                    a2 += wa.z * xa;
-                    a3 += wa.w * xa;
-                    a4 += wb.x * xa;
-                    a5 += wb.y * xa;
-                    a6 += wb.z * xa;
-                    a7 += wb.w * xa;
-                }
-            }
-        }
-        store_sums(r0, it, ir, array<vec4<f32>, 8>(a0, a1, a2, a3, a4, a5, a6, a7));
+        tok[t] = select(INVALID, s, t < nvalid);
+        xrow[t] = p.x_off + (s / p.x_div) * p.x_tok;
     }
+    workgroupBarrier();
+    // Sums: *0..*3 the rows 4ir.., *4..*7 the rows BM/2 + 4ir.. (GATED: their up sums).
+    var a0 = vec4<f32>(0.0);
+    var a1 = vec4<f32>(0.0);
+    var a2 = vec4<f32>(0.0);
+    var a3 = vec4<f32>(0.0);
+    var a4 = vec4<f32>(0.0);
+    var a5 = vec4<f32>(0.0);
+    var a6 = vec4<f32>(0.0);
+    var a7 = vec4<f32>(0.0);
+    load_step(li, 0u, wbase, r0);
+    for (var c0 = 0u; c0 < p.cols; c0 += BK) {
+        // Nobody may still read the previous step's tiles.
+        workgroupBarrier();
+        store_step(li, c0);
+        workgroupBarrier();
+        if c0 + BK < p.cols {
+            load_step(li, c0 + BK, wbase, r0);
+        }
+        // Invocations whose 4 tokens are all past the end skip the arithmetic: in a partly
+        // filled tile (an expert with few slots) whole warps then idle and leave the SM to
+        // other workgroups.
+        if 4u * it < nvalid {
+            for (var kk = 0u; kk < BK; kk++) {
+                let wa = ws[kk * (BM / 4u) + ir];
+                let wb = ws[kk * (BM / 4u) + ir + TR];
+                let xa = xs[kk * (BN / 4u) + it];
+                a0 += wa.x * xa;
+                a1 += wa.y * xa;
+                a2 += wa.z * xa;
+                a3 += wa.w * xa;
+                a4 += wb.x * xa;
+                a5 += wb.y * xa;
+                a6 += wb.z * xa;
+                a7 += wb.w * xa;
+            }
+        }
+    }
+    store_sums(r0, it, ir, array<vec4<f32>, 8>(a0, a1, a2, a3, a4, a5, a6, a7));
 }

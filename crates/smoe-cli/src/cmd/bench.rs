@@ -3,6 +3,7 @@
 use crate::common::{model_path, open_engine_with, Backend};
 use crate::store_args::StoreArgs;
 use anyhow::{bail, Result};
+use smoe_engine::model::gpu_decoder::GpuProfile;
 use smoe_engine::{Engine, Logits};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -55,10 +56,13 @@ pub struct KernelArgs {
     /// Print one JSON object: device, copy GB/s and a row per (shape, type).
     #[arg(long)]
     json: bool,
-    /// q4 only, every launch shape (64/128/256 invocations × 4/8/16/32 rows) and decoding
-    /// (float bits, int8 dot products): for choosing the defaults on a new device.
+    /// q4 only, every launch shape (64/128/256 invocations × 1–32 rows) and decoding (float
+    /// bits, int8 dot products): for choosing the defaults on a new device.
     #[arg(long)]
     sweep: bool,
+    /// Only the shapes whose name contains this (e.g. "down", "235B").
+    #[arg(long, value_name = "TEXT")]
+    shape: Option<String>,
 }
 
 pub fn run(b: Bench) -> Result<()> {
@@ -85,6 +89,19 @@ fn kernels(a: KernelArgs) -> Result<()> {
     } else {
         qwen3_shapes()
     };
+    let shapes: Vec<_> = match &a.shape {
+        Some(f) => shapes
+            .into_iter()
+            .filter(|s| s.name.contains(f.as_str()))
+            .collect(),
+        None => shapes,
+    };
+    if shapes.is_empty() {
+        bail!(
+            "no benchmark shape matches --shape {:?}",
+            a.shape.unwrap_or_default()
+        );
+    }
     let (mut rows, mut errors, mut copy, mut device) = (vec![], vec![], 0f64, String::new());
     // One shape at a time, so partial results show even if a later shape fails.
     for shape in &shapes {
@@ -92,7 +109,7 @@ fn kernels(a: KernelArgs) -> Result<()> {
             let mut t = vec![];
             for q4 in [Q4Decode::FloatBits, Q4Decode::Int8Dot] {
                 for wg in [64, 128, 256] {
-                    for rows in [4, 8, 16, 32] {
+                    for rows in [1, 2, 4, 8, 16, 32] {
                         t.push(MatVecTuning { wg, rows, q4 });
                     }
                 }
@@ -277,15 +294,21 @@ fn decode(a: DecodeArgs) -> Result<()> {
         }
         let mut out = vec![];
         for (what, n) in runs {
-            engine.model.profile_start()?;
-            if what == "decode" {
-                decode_run(n, 2_000_000)?;
-            } else {
-                let prompt: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect();
-                engine.session(n).feed(&prompt, Logits::Last)?;
+            // First only the pass's ends (the GPU's busy time), then every step (its shares;
+            // a timestamp between every two dispatches costs a few µs each).
+            let mut profiles = vec![];
+            for fine in [false, true] {
+                engine.model.profile_start(fine)?;
+                if what == "decode" {
+                    decode_run(n, 2_000_000)?;
+                } else {
+                    let prompt: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % vocab).collect();
+                    engine.session(n).feed(&prompt, Logits::Last)?;
+                }
+                profiles.push(engine.model.profile_take().expect("profiling was started"));
             }
-            let p = engine.model.profile_take().expect("profiling was started");
-            out.push((what, n, p));
+            let fine = profiles.pop().expect("two runs");
+            out.push((what, n, profiles.pop().expect("two runs"), fine));
         }
         Some(out)
     } else {
@@ -320,12 +343,12 @@ fn decode(a: DecodeArgs) -> Result<()> {
         "hit_rate": stats.as_ref().map(|s| s.hit_rate),
         "read_gb_per_s": stats.as_ref().map(|s| s.read_gb_per_s),
         "cache_budget_bytes": stats.as_ref().map(|s| s.cache_budget),
-        "breakdown": breakdown.as_ref().map(|b| b.iter().map(|(what, n, p)| breakdown_json(what, *n, p)).collect::<Vec<_>>()),
+        "breakdown": breakdown.as_ref().map(|b| b.iter().map(|(what, n, busy, p)| breakdown_json(what, *n, busy, p)).collect::<Vec<_>>()),
     });
     if let Some(b) = &breakdown {
         if !a.json {
-            for (what, n, p) in b {
-                print_breakdown(what, *n, p);
+            for (what, n, busy, p) in b {
+                print_breakdown(what, *n, busy, p);
             }
         }
     }
@@ -362,12 +385,16 @@ fn decode(a: DecodeArgs) -> Result<()> {
 fn breakdown_json(
     what: &str,
     tokens: usize,
-    p: &smoe_engine::model::gpu_decoder::GpuProfile,
+    busy: &GpuProfile,
+    p: &GpuProfile,
 ) -> serde_json::Value {
     let per = |ns: f64| ns / 1e3 / tokens as f64;
     let gpu: f64 = p.steps.iter().map(|s| s.1).sum();
+    let busy_ns: f64 = busy.steps.iter().map(|s| s.1).sum();
     serde_json::json!({
         "run": what, "tokens": tokens,
+        "plain_wall_us_per_token": per(busy.wall_ns),
+        "plain_gpu_busy_us_per_token": per(busy_ns),
         "wall_us_per_token": per(p.wall_ns),
         "gpu_us_per_token": per(gpu),
         "host_record_us_per_token": per(p.record_ns),
@@ -379,12 +406,22 @@ fn breakdown_json(
     })
 }
 
-/// Where a run's time went, per token: GPU time per step (from timestamps), host recording.
-fn print_breakdown(what: &str, tokens: usize, p: &smoe_engine::model::gpu_decoder::GpuProfile) {
+/// Where a run's time went, per token: the GPU's busy time against the wall time (timestamps
+/// only around passes), then GPU time per step (a timestamp after every step, which slows each
+/// step a little), and host recording.
+fn print_breakdown(what: &str, tokens: usize, busy: &GpuProfile, p: &GpuProfile) {
     let per = |ns: f64| ns / 1e3 / tokens as f64;
     let gpu: f64 = p.steps.iter().map(|s| s.1).sum();
+    let busy_ns: f64 = busy.steps.iter().map(|s| s.1).sum();
     println!(
-        "\n{what} breakdown ({tokens} tokens): wall {:.1} µs/token, GPU {:.1} µs/token ({:.0}% of wall), host recording {:.1} µs/token",
+        "\n{what} ({tokens} tokens): wall {:.1} µs/token, GPU busy {:.1} µs/token ({:.0}%), host recording + submission {:.1} µs/token; the rest is waiting and read-back",
+        per(busy.wall_ns),
+        per(busy_ns),
+        100.0 * busy_ns / busy.wall_ns.max(1.0),
+        per(busy.record_ns)
+    );
+    println!(
+        "{what} per step, timed ({tokens} tokens): wall {:.1} µs/token, GPU {:.1} µs/token ({:.0}% of wall), host recording + submission {:.1} µs/token",
         per(p.wall_ns),
         per(gpu),
         100.0 * gpu / p.wall_ns.max(1.0),

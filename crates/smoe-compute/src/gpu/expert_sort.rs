@@ -11,7 +11,7 @@ struct Params {
     n_slots: u32,
     n_mats: u32,
     ids_off: u32,
-    _pad: u32,
+    max_units: u32,
 }
 
 /// Most experts a sort handles (the expert id takes 12 bits of a sort key).
@@ -25,29 +25,44 @@ pub const SORT_MAX_SLOTS: usize = 1 << 20;
 /// `< n_mats`) writes, in buffers it owns:
 /// - `starts`: `[n_mats + 1]` u32, where expert `e`'s slots begin in `perm` (`starts[n_mats]` is
 ///   `n_slots`);
-/// - `perm`: `[n_slots]` u32, the slot indices grouped by expert, ascending within an expert.
+/// - `perm`: `[n_slots]` u32, the slot indices grouped by expert, ascending within an expert;
+/// - `units`: the grouped `MatMul`'s work list for token tiles of `tile` slots: word 0 the
+///   count of units, word `1 + u` unit `u` = `(e << 20) | i`, the `i`-th tile of expert `e`
+///   (`perm[starts[e] + i·tile ..]`, at most `tile` slots), ordered by `(e, i)`: every expert
+///   with `c > 0` slots has `ceil(c / tile)` units. The GEMM runs one workgroup per unit, so a
+///   popular expert's tiles run side by side instead of one after another.
 ///
 /// Deterministic (a sort of distinct keys). An id `≥ n_mats` is treated as `n_mats - 1`.
 pub struct ExpertSort {
     d: Dispatch,
     starts: wgpu::Buffer,
     perm: wgpu::Buffer,
+    units: wgpu::Buffer,
     n_slots: usize,
     n_mats: usize,
+    tile: usize,
 }
 
 impl ExpertSort {
+    /// `tile`: the token tile (`MatMulTuning::bn`) of the grouped GEMMs that will use this
+    /// sort; `MatMulTuning::grouped_bn` is `MatMul::new`'s choice.
     pub fn new(
         ctx: &GpuContext,
         ids: BufRef,
         n_slots: usize,
         n_mats: usize,
+        tile: usize,
     ) -> Result<Self, GpuError> {
         let limits = ctx.limits();
         if n_slots == 0 || n_mats == 0 || n_mats > SORT_MAX_EXPERTS || n_slots > SORT_MAX_SLOTS {
             return Err(GpuError::Shape(format!(
                 "expert sort: {n_slots} slots over {n_mats} experts \
                  (1..={SORT_MAX_SLOTS} slots, 1..={SORT_MAX_EXPERTS} experts)"
+            )));
+        }
+        if tile == 0 || tile > SORT_MAX_SLOTS {
+            return Err(GpuError::Shape(format!(
+                "expert sort: tile of {tile} slots (1..={SORT_MAX_SLOTS})"
             )));
         }
         let keys = n_slots.next_power_of_two().max(2);
@@ -68,27 +83,46 @@ impl ExpertSort {
         let (ib, ids_off) = ids.bind(ctx, "expert sort ids", n_slots, 4)?;
         let starts = ctx.storage_buffer("expert sort starts", 4 * (n_mats as u64 + 1));
         let perm = ctx.storage_buffer("expert sort perm", 4 * n_slots as u64);
+        let max_units = Self::units_bound(n_slots, n_mats, tile);
+        let units = ctx.storage_buffer("expert sort units", 4 * (1 + max_units as u64));
         let p = Params {
             n_slots: n_slots as u32,
             n_mats: n_mats as u32,
             ids_off,
-            _pad: 0,
+            max_units: max_units as u32,
         };
         let d = Dispatch::new(
             ctx,
             "expert_sort",
-            &[("KEYS", keys as f64), ("WG", wg as f64)],
+            &[
+                ("KEYS", keys as f64),
+                ("WG", wg as f64),
+                ("TILE", tile as f64),
+            ],
             &p,
-            &[ib, Binding::whole(&starts), Binding::whole(&perm)],
+            &[
+                ib,
+                Binding::whole(&starts),
+                Binding::whole(&perm),
+                Binding::whole(&units),
+            ],
             [1, 1, 1],
         )?;
         Ok(ExpertSort {
             d,
             starts,
             perm,
+            units,
             n_slots,
             n_mats,
+            tile,
         })
+    }
+
+    /// Most units any routing can make: each non-empty expert has at most one partial tile,
+    /// and each unit at least one slot.
+    fn units_bound(n_slots: usize, n_mats: usize, tile: usize) -> usize {
+        (n_slots.div_ceil(tile) + n_mats).min(n_slots)
     }
 
     /// `[n_mats + 1]` u32: expert `e`'s slots are `perm[starts[e]..starts[e + 1]]`.
@@ -107,6 +141,22 @@ impl ExpertSort {
 
     pub fn n_mats(&self) -> usize {
         self.n_mats
+    }
+
+    /// `[1 + max_units]` u32: the unit count, then the units `(e << 20) | tile index`.
+    pub fn units(&self) -> &wgpu::Buffer {
+        &self.units
+    }
+
+    /// Slots per token tile of the work list.
+    pub fn tile(&self) -> usize {
+        self.tile
+    }
+
+    /// Most units the work list can hold, whatever the routing: the grouped GEMM dispatches
+    /// this many workgroups per row tile, and those past the count return at once.
+    pub fn max_units(&self) -> usize {
+        Self::units_bound(self.n_slots, self.n_mats, self.tile)
     }
 }
 recordable!(ExpertSort, "expert_sort", d);

@@ -12,7 +12,9 @@ use smoe_vault::quant::DType;
 
 /// Grouped product: the weights are a stack of `sort.n_mats()` matrices `mat_stride` bytes
 /// apart (an expert section: `WeightRef::offset` is expert 0's tensor, `mat_stride` the blob
-/// stride), and slot `s` is multiplied by the matrix of its expert (as grouped by `sort`).
+/// stride), and slot `s` is multiplied by the matrix of its expert (as grouped by `sort`). The
+/// GEMM's token tile is the sort's (`sort.tile()`): one workgroup per row tile and unit of the
+/// sort's work list (one token tile of one expert).
 #[derive(Clone, Copy)]
 pub struct MatMulGrouped<'a> {
     pub sort: &'a ExpertSort,
@@ -51,22 +53,33 @@ pub struct MatMulTuning {
 
 impl MatMulTuning {
     /// What `MatMul::new` uses for `d`: 128-row tiles, 16-column steps, and a token tile that
-    /// fits the tokens: up to 64 dense, and 1.5× the mean slots per expert grouped, so that
-    /// most experts fill one tile most of the way (H200, 512 tokens × top-8 of 128 experts:
-    /// 48 beat 32 and 64 by 10–20 %; 128 × 128 dense gained 5 % on q_proj but leaves SMs idle
-    /// on smaller matrices). At most 256 invocations and 12.5 KiB of workgroup memory: within
-    /// WebGPU's default limits, so valid on every device.
+    /// fits the tokens: up to 64 dense; grouped, the sort's tile (which must match), normally
+    /// `grouped_bn`. At most 256 invocations and 12.5 KiB of workgroup memory: within WebGPU's
+    /// default limits, so valid on every device.
     pub fn default_for(d: &MatMulDesc) -> Self {
-        let want = match d.grouped {
-            Some(g) => 1.5 * g.sort.n_slots() as f64 / g.sort.n_mats() as f64,
-            None => d.n_tokens as f64,
+        let bn = match d.grouped {
+            Some(g) => g.sort.tile() as u32,
+            None => Self::fit_bn(d.n_tokens as f64),
         };
-        let bn = (want.ceil() as u32).next_multiple_of(16).clamp(16, 64);
         MatMulTuning {
             bm: 128,
             bn,
             bk: 16,
         }
+    }
+
+    /// The default token tile of a grouped product of `n_slots` slots over `n_mats` experts,
+    /// to build its `ExpertSort` with: 1.5× the mean slots per expert, so that most experts
+    /// fill one tile most of the way (H200, 512 tokens × top-8 of 128 experts: 48 beat 32 and
+    /// 64 by 10–20 %).
+    pub fn grouped_bn(n_slots: usize, n_mats: usize) -> usize {
+        Self::fit_bn(1.5 * n_slots as f64 / n_mats.max(1) as f64) as usize
+    }
+
+    /// The multiple of 16 in 16..=64 that fits `want` tokens (128 × 128 dense gained 5 % on
+    /// q_proj but leaves SMs idle on smaller matrices).
+    fn fit_bn(want: f64) -> u32 {
+        (want.ceil() as u32).next_multiple_of(16).clamp(16, 64)
     }
 
     /// Workgroup memory the kernel declares with this tile.
@@ -192,6 +205,15 @@ impl MatMul {
             Some(g) => (g.sort.n_slots(), g.sort.n_mats(), g.mat_stride, g.x_div),
             None => (d.n_tokens, 1, 0, 1),
         };
+        if let Some(g) = d.grouped {
+            if g.sort.tile() != tune.bn as usize {
+                return Err(err(format!(
+                    "tile {tune:?}: bn differs from the expert sort's tile of {} slots \
+                     (build the sort with the GEMM's bn)",
+                    g.sort.tile()
+                )));
+            }
+        }
         if mat_stride % 16 != 0 || x_div == 0 {
             return Err(err(
                 "group stride must be a multiple of 16 and x_div > 0".into()
@@ -214,14 +236,16 @@ impl MatMul {
             d.x.bind(ctx, "matmul x", n_slots.div_ceil(x_div) * w.cols, 16)?;
         let (yb, y_off) = d.y.bind(ctx, "matmul y", n_slots * w.rows, 4)?;
         let unused;
-        let (sb, pb) = match d.grouped {
+        let (sb, pb, ub) = match d.grouped {
             Some(g) => (
                 Binding::whole(g.sort.starts()),
                 Binding::whole(g.sort.perm()),
+                Binding::whole(g.sort.units()),
             ),
             None => {
-                unused = ctx.storage_buffer("matmul starts/perm (unused)", 16);
-                (Binding::whole(&unused), Binding::whole(&unused))
+                unused = ctx.storage_buffer("matmul starts/perm/units (unused)", 16);
+                let u = Binding::whole(&unused);
+                (u, u, u)
             }
         };
         let extra = (n_mats as u64 - 1) * mat_stride + d.up_offset.unwrap_or(0);
@@ -257,13 +281,16 @@ impl MatMul {
                     yb.entry(3),
                     sb.entry(4),
                     pb.entry(5),
+                    ub.entry(6),
                 ],
             )?;
-            // Grouped: one workgroup per (row tile, expert), looping over the expert's slots.
+            // One workgroup per (row tile, token tile). Grouped: per (row tile, unit of the
+            // sort's work list), as many as any routing can need; those past the count that
+            // the sort wrote return at once.
             let groups = [
                 part.rows.div_ceil(out_rows),
                 match d.grouped {
-                    Some(_) => n_mats as u64,
+                    Some(g) => g.sort.max_units() as u64,
                     None => n_slots.div_ceil(tune.bn as usize) as u64,
                 },
                 1,

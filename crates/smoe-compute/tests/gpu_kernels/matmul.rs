@@ -1,5 +1,6 @@
 //! Prefill GEMM (dense, gated, grouped by expert) against `cpu::matmul` on the same stored
-//! bytes, and the expert sort against a stable counting sort, exactly.
+//! bytes, and the expert sort (and its work list of token tiles) against a stable counting
+//! sort, exactly.
 
 use super::{assert_close, gpu, nan_buffer, rand_vec};
 use smoe_compute::cpu::{matmul, ops::silu_mul, QMatRef};
@@ -57,12 +58,29 @@ fn sort_twin(ids: &[u32], n_mats: usize) -> (Vec<u32>, Vec<u32>) {
     (starts, perm)
 }
 
+/// The CPU twin of the work list: for each expert in order, its token tiles `(e << 20) | i`.
+fn units_twin(starts: &[u32], tile: usize) -> Vec<u32> {
+    let mut units = vec![];
+    for (e, w) in starts.windows(2).enumerate() {
+        let tiles = ((w[1] - w[0]) as usize).div_ceil(tile);
+        units.extend((0..tiles as u32).map(|i| (e as u32) << 20 | i));
+    }
+    units
+}
+
 /// Uploads `ids` after `pad` garbage words, so the sort must honour the offset.
-fn sort_on_gpu(ctx: &GpuContext, ids: &[u32], n_mats: usize, pad: usize) -> ExpertSort {
+fn sort_on_gpu(
+    ctx: &GpuContext,
+    ids: &[u32],
+    n_mats: usize,
+    tile: usize,
+    pad: usize,
+) -> ExpertSort {
     let mut words = vec![0xdead_beefu32; pad];
     words.extend_from_slice(ids);
     let buf = ctx.upload("ids", bytemuck::cast_slice(&words));
-    let sort = ExpertSort::new(ctx, BufRef::at(&buf, 4 * pad as u64), ids.len(), n_mats).unwrap();
+    let at = BufRef::at(&buf, 4 * pad as u64);
+    let sort = ExpertSort::new(ctx, at, ids.len(), n_mats, tile).unwrap();
     let mut enc = ctx.encoder();
     sort.encode(&mut enc);
     ctx.submit_wait(enc);
@@ -84,29 +102,59 @@ fn expert_sort_matches_stable_counting_sort() {
     ];
     // A skewed router: a few hot experts, the rest rare.
     cases.push((rand_ids(512, 8, 5).iter().map(|e| e * e).collect(), 50));
+    cases.push((skewed_ids(4096, 128, 6), 128));
     for (i, (ids, n_mats)) in cases.iter().enumerate() {
-        let sort = sort_on_gpu(ctx, ids, *n_mats, i % 3);
-        let (want_starts, want_perm) = sort_twin(ids, *n_mats);
-        let starts = ctx.read_u32(sort.starts(), 0, n_mats + 1).unwrap();
-        let perm = ctx.read_u32(sort.perm(), 0, ids.len()).unwrap();
-        assert_eq!(starts, want_starts, "case {i}: starts");
-        assert_eq!(perm, want_perm, "case {i}: perm");
+        // Tiles: 1 (a unit per slot), the GEMM's, and one no GEMM takes.
+        for tile in [1, 16, 48, 64, 128, 7] {
+            let sort = sort_on_gpu(ctx, ids, *n_mats, tile, i % 3);
+            let (want_starts, want_perm) = sort_twin(ids, *n_mats);
+            let starts = ctx.read_u32(sort.starts(), 0, n_mats + 1).unwrap();
+            let perm = ctx.read_u32(sort.perm(), 0, ids.len()).unwrap();
+            assert_eq!(starts, want_starts, "case {i}: starts");
+            assert_eq!(perm, want_perm, "case {i}: perm");
+            let want = units_twin(&want_starts, tile);
+            let what = format!("case {i} tile {tile}");
+            assert!(want.len() <= sort.max_units(), "{what}: bound");
+            let units = ctx.read_u32(sort.units(), 0, 1 + want.len()).unwrap();
+            assert_eq!(units[0] as usize, want.len(), "{what}: count");
+            assert_eq!(units[1..], want, "{what}: units");
+        }
     }
+}
+
+/// Skewed routing of `n` slots over `n_mats` experts: expert 1 takes about 3/4 of the slots,
+/// experts 4.. share the rest unevenly, the others (0, 2, 3 and the last) get none.
+fn skewed_ids(n: usize, n_mats: usize, seed: u64) -> Vec<u32> {
+    rand_vec(n, seed, 1.0)
+        .iter()
+        .map(|v| {
+            let u = (v + 1.0) / 2.0;
+            match u < 0.75 {
+                true => 1,
+                false => (4.0 + ((u - 0.75) * 4.0).powi(2) * (n_mats - 5) as f32) as u32,
+            }
+        })
+        .map(|e| e.min(n_mats as u32 - 2))
+        .collect()
 }
 
 #[test]
 fn expert_sort_rejects_what_it_cannot_hold() {
     let Some(ctx) = gpu() else { return };
     let buf = ctx.upload("ids", &[0u8; 16]);
-    assert!(ExpertSort::new(ctx, BufRef::new(&buf), 0, 4).is_err());
-    assert!(ExpertSort::new(ctx, BufRef::new(&buf), 4, 0).is_err());
-    assert!(ExpertSort::new(ctx, BufRef::new(&buf), 4, 5000).is_err());
+    assert!(ExpertSort::new(ctx, BufRef::new(&buf), 0, 4, 16).is_err());
+    assert!(ExpertSort::new(ctx, BufRef::new(&buf), 4, 0, 16).is_err());
+    assert!(ExpertSort::new(ctx, BufRef::new(&buf), 4, 5000, 16).is_err());
+    let e = ExpertSort::new(ctx, BufRef::new(&buf), 4, 4, 0)
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("tile"), "{e}");
     // More ids than the buffer holds.
-    assert!(ExpertSort::new(ctx, BufRef::new(&buf), 5, 4).is_err());
+    assert!(ExpertSort::new(ctx, BufRef::new(&buf), 5, 4, 16).is_err());
     // More slots than workgroup memory holds keys.
     let room = ctx.limits().max_compute_workgroup_storage_size as usize / 4;
     let big = ctx.storage_buffer("ids", 4 * (room as u64 + 1));
-    let e = ExpertSort::new(ctx, BufRef::new(&big), room + 1, 4)
+    let e = ExpertSort::new(ctx, BufRef::new(&big), room + 1, 4, 16)
         .err()
         .unwrap();
     assert!(e.to_string().contains("workgroup memory"), "{e}");
@@ -309,7 +357,12 @@ fn run_grouped(ctx: &GpuContext, c: &Group, tune: Option<MatMulTuning>) {
             silu_mul(out, &up);
         }
     }
-    let sort = sort_on_gpu(ctx, &c.ids, c.n_mats, 1);
+    // The sort cuts its work list into the GEMM's token tiles.
+    let tile = match tune {
+        Some(t) => t.bn as usize,
+        None => MatMulTuning::grouped_bn(n_slots, c.n_mats),
+    };
+    let sort = sort_on_gpu(ctx, &c.ids, c.n_mats, tile, 1);
     let wbuf = ctx.upload("experts", &blob);
     let xbuf = ctx.upload_f32("x", &x);
     let ybuf = nan_buffer(ctx, "y", n_slots * rows + 16);
@@ -393,6 +446,43 @@ fn matmul_grouped_by_expert() {
             seed: seed + 50,
         };
         run_grouped(ctx, &c, None);
+    }
+}
+
+#[test]
+fn matmul_grouped_skewed_routing() {
+    // One expert takes ~3/4 of the slots (several token tiles, each its own workgroup), the
+    // others a few or none: each tile of the popular expert must land on its own slots.
+    let Some(ctx) = gpu() else { return };
+    for (i, dtype) in DTYPES.into_iter().enumerate() {
+        let seed = 1500 + 100 * i as u64;
+        for (x_div, gated, rows, cols) in [(4, true, 70, 192), (1, false, 130, 256)] {
+            let c = Group {
+                dtype,
+                rows,
+                cols,
+                n_mats: 12,
+                ids: skewed_ids(80 * 4, 12, seed + rows as u64),
+                x_div,
+                gated,
+                seed,
+            };
+            run_grouped(ctx, &c, None);
+        }
+    }
+    for (i, t) in TUNINGS.into_iter().enumerate() {
+        let seed = 1900 + 10 * i as u64;
+        let c = Group {
+            dtype: DTYPES[(i + 1) % 4],
+            rows: 90,
+            cols: 320,
+            n_mats: 9,
+            ids: skewed_ids(53 * 8, 9, seed),
+            x_div: 8,
+            gated: i % 2 == 0,
+            seed,
+        };
+        run_grouped(ctx, &c, tuning(t));
     }
 }
 
@@ -496,5 +586,25 @@ fn matmul_rejects_bad_shapes_with_messages() {
     };
     if big.workgroup_bytes() > ctx.limits().max_compute_workgroup_storage_size as u64 {
         assert!(msg(&desc(DType::Q4, 8, 64, 1), big).contains("workgroup memory"));
+    }
+    // Grouped: the GEMM's token tile must be the one the sort's work list was cut into.
+    let ids = ctx.upload("ids", bytemuck::cast_slice(&[0u32, 1, 1, 0]));
+    for sort_tile in [32, 20] {
+        let sort = ExpertSort::new(ctx, BufRef::new(&ids), 4, 2, sort_tile).unwrap();
+        let grouped = MatMulDesc {
+            grouped: Some(MatMulGrouped {
+                sort: &sort,
+                mat_stride: 1024,
+                x_div: 1,
+            }),
+            ..desc(DType::Q4, 8, 64, 0)
+        };
+        let m = msg(&grouped, t);
+        assert!(m.contains("sort's tile of"), "{m}");
+        // MatMul::new takes the sort's tile, which must be a valid bn.
+        match MatMul::new(ctx, &grouped) {
+            Ok(mm) => assert_eq!(mm.tuning().bn as usize, sort_tile),
+            Err(e) => assert!(sort_tile == 20 && e.to_string().contains("tile"), "{e}"),
+        }
     }
 }

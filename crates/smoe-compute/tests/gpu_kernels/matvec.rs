@@ -407,7 +407,7 @@ fn matvec_fused_norm_accumulate_reduce() {
         // Grouped, reduced over each token's k slots with router weights, plus y: three tokens
         // choosing 3 of six experts (one twice), and two tokens choosing 8 of ten over inputs
         // wider than one staging tile.
-        let configs: [(usize, usize, usize, usize, Vec<u32>); 2] = [
+        let configs: [(usize, usize, usize, usize, Vec<u32>); 3] = [
             (40, 192, 6, 3, vec![5, 0, 2, 1, 1, 3, 4, 2, 0]),
             (
                 33,
@@ -415,6 +415,14 @@ fn matvec_fused_norm_accumulate_reduce() {
                 10,
                 8,
                 vec![9, 0, 2, 1, 7, 3, 4, 5, 8, 6, 5, 4, 3, 2, 1, 0],
+            ),
+            // 8 × 1536 inputs exceed any device's staging: several tiles.
+            (
+                20,
+                1536,
+                9,
+                8,
+                vec![8, 0, 2, 1, 7, 3, 4, 5, 0, 6, 5, 4, 3, 2, 1, 8],
             ),
         ];
         for (rows, cols, n_mats, k, ids) in configs {

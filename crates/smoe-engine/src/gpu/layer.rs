@@ -25,7 +25,7 @@ use super::weights::{FfnW, LayerW, Mlp};
 use crate::error::EngineError;
 use smoe_compute::gpu::{
     wgpu, BufRef, EltOp, Eltwise, ExpertSort, Fuse, GpuContext, Grouped, MatMul, MatMulDesc,
-    MatMulGrouped, MatVec, MatVecDesc, RmsNorm, Router, WeightRef, WeightedSum,
+    MatMulGrouped, MatMulTuning, MatVec, MatVecDesc, RmsNorm, Router, WeightRef, WeightedSum,
 };
 use smoe_vault::ModelConfig;
 
@@ -401,8 +401,10 @@ impl LayerOps {
                 let up = Some(e.up_offset);
                 let down = e.down.on(&e.buf);
                 if b.gemm {
-                    // Slots sorted by expert; each expert's GEMM over the slots that chose it.
-                    let sort = ExpertSort::new(ctx, ids, n * k, e.slots).map_err(gpu_err)?;
+                    // Slots sorted by expert, cut into the GEMMs' token tiles; each expert's GEMM
+                    // over the slots that chose it, a workgroup per tile.
+                    let tile = MatMulTuning::grouped_bn(n * k, e.slots);
+                    let sort = ExpertSort::new(ctx, ids, n * k, e.slots, tile).map_err(gpu_err)?;
                     let by = |x_div| MatMulGrouped {
                         sort: &sort,
                         mat_stride: e.stride,

@@ -33,25 +33,41 @@ dispatch!(
     DecodeAttention
 );
 
-/// An open compute pass and, when profiling, the timestamps to mark after each step.
+/// An open compute pass and, when profiling, the timestamps to mark: after each step (`fine`),
+/// or only at the pass's start and end (the GPU's busy time without the cost of a timestamp
+/// between every two dispatches).
 pub(crate) struct Recorder<'p, 't> {
     pub pass: wgpu::ComputePass<'p>,
     ts: Option<&'t mut Timestamps>,
+    fine: bool,
 }
 
 impl<'p, 't> Recorder<'p, 't> {
-    pub fn new(pass: wgpu::ComputePass<'p>, mut ts: Option<&'t mut Timestamps>) -> Self {
+    /// `first`: the first pass of a forward call, which marks its start.
+    pub fn new(
+        pass: wgpu::ComputePass<'p>,
+        mut ts: Option<&'t mut Timestamps>,
+        fine: bool,
+        first: bool,
+    ) -> Self {
         let mut pass = pass;
-        if let Some(t) = ts.as_deref_mut() {
+        if let Some(t) = ts.as_deref_mut().filter(|_| first) {
             t.mark(&mut pass, "start");
         }
-        Recorder { pass, ts }
+        Recorder { pass, ts, fine }
     }
 
     pub fn step(&mut self, label: &'static str, d: &dyn Dispatch) {
         d.record_into(&mut self.pass);
-        if let Some(t) = self.ts.as_deref_mut() {
+        if let Some(t) = self.ts.as_deref_mut().filter(|_| self.fine) {
             t.mark(&mut self.pass, label);
+        }
+    }
+
+    /// Ends a coarse profile: the whole pass under one label.
+    pub fn end(mut self) {
+        if let Some(t) = self.ts.as_deref_mut().filter(|_| !self.fine) {
+            t.mark(&mut self.pass, "forward pass (GPU busy)");
         }
     }
 }

@@ -87,9 +87,9 @@ impl Model {
     }
 
     /// Starts the GPU's per-step timing (`GpuDecoder::profile_start`); an error on the CPU.
-    pub fn profile_start(&self) -> Result<(), EngineError> {
+    pub fn profile_start(&self, fine: bool) -> Result<(), EngineError> {
         match self {
-            Model::Gpu(m) => m.profile_start(),
+            Model::Gpu(m) => m.profile_start(fine),
             Model::Decoder(_) => Err(EngineError::Backend(
                 "per-step timing needs the GPU backend".into(),
             )),

@@ -138,6 +138,9 @@ pub fn qwen3_prefill_shapes() -> Vec<BenchShape> {
     vec![
         BenchShape::prefill("30B q_proj pf512", 4096, 2048, 512),
         BenchShape::prefill_experts("30B gate_up pf512", 768, 2048, 512, 8, 128, true),
+        // Zipf-skewed routing (expert rank r gets weight 1/(r+1)): real routers are skewed, and
+        // a popular expert's token tiles must spread over the GPU.
+        BenchShape::prefill_experts("30B gate_up pf512 zipf", 768, 2048, 512, 8, 128, true),
         BenchShape::prefill_experts("30B down pf512", 2048, 768, 512, 8, 128, false),
     ]
 }

@@ -1,7 +1,7 @@
 //! Prefill measurements for `gpu::bench`: a chunk of tokens through one projection (dense) or
-//! through a layer's experts (grouped, ids from a pseudo-random top-k router), by the GEMM and,
-//! as the baseline, by the decode matvec the prefill used before (≤ 8 tokens per workgroup, one
-//! slot at a time for experts).
+//! through a layer's experts (grouped, ids from a pseudo-random top-k router, or a Zipf-skewed
+//! one for shapes named `… zipf`), by the GEMM and, as the baseline, by the decode matvec the
+//! prefill used before (≤ 8 tokens per workgroup, one slot at a time for experts).
 
 use super::timer::Timer;
 use super::{fill_weights, BenchShape};
@@ -41,6 +41,45 @@ pub fn pseudo_random_ids(tokens: usize, k: usize, n: usize) -> Vec<u32> {
     ids
 }
 
+/// Token `t`'s `k` distinct experts of `n`, drawn (from a fixed xorshift stream) with weight
+/// `1 / (e + 1)` for expert `e`: skewed routing as real routers produce, a few experts taking
+/// hundreds of a chunk's slots (512 tokens × top-8 of 128: 429 slots for expert 0, 7 for
+/// expert 127), which the balanced grouped GEMM must not serialise.
+pub fn zipf_ids(tokens: usize, k: usize, n: usize) -> Vec<u32> {
+    // cum[e]: the weights of experts 0..=e.
+    let cum: Vec<f64> = (0..n)
+        .scan(0.0, |c, e| {
+            *c += 1.0 / (e + 1) as f64;
+            Some(*c)
+        })
+        .collect();
+    let total = cum[n - 1];
+    let mut s = 0x2545_F491_4F6C_DD1Du64;
+    let mut ids = Vec::with_capacity(tokens * k);
+    for _ in 0..tokens {
+        let first = ids.len();
+        while ids.len() < first + k.min(n) {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let u = (s >> 11) as f64 / (1u64 << 53) as f64 * total;
+            let e = cum.partition_point(|&c| c <= u).min(n - 1) as u32;
+            if !ids[first..].contains(&e) {
+                ids.push(e);
+            }
+        }
+    }
+    ids
+}
+
+/// The router ids of a grouped prefill shape: Zipf-skewed when its name ends in "zipf".
+fn routing_ids(shape: &BenchShape, tokens: usize, k: usize, n: usize) -> Vec<u32> {
+    match shape.name.ends_with("zipf") {
+        true => zipf_ids(tokens, k, n),
+        false => pseudo_random_ids(tokens, k, n),
+    }
+}
+
 /// Host copy of one shape's weights (all experts for a grouped shape), made once per dtype.
 pub(super) fn host_weights(shape: &BenchShape, dtype: DType) -> Vec<u8> {
     let mats = if shape.experts > 0 { shape.stack } else { 1 };
@@ -77,9 +116,14 @@ pub(super) fn bench_prefill(
     let y = ctx.storage_buffer("bench y", 4 * (n_slots * rows) as u64);
     let ids = ctx.upload(
         "bench ids",
-        bytemuck::cast_slice(&pseudo_random_ids(tokens, k, n_mats)),
+        bytemuck::cast_slice(&routing_ids(shape, tokens, k, n_mats)),
     );
-    let sort = ExpertSort::new(ctx, BufRef::new(&ids), n_slots, n_mats)?;
+    // The sort's work list is cut into the GEMM's token tiles.
+    let tile = match kernel {
+        Kernel::MatMul(Some(t)) => t.bn as usize,
+        _ => MatMulTuning::grouped_bn(n_slots, n_mats),
+    };
+    let sort = ExpertSort::new(ctx, BufRef::new(&ids), n_slots, n_mats, tile)?;
     if let Kernel::Sort = kernel {
         let secs = timer.time(&|pass| (0..iters).for_each(|_| sort.record(pass)))?;
         return Ok((0, secs / iters as f64, None));
