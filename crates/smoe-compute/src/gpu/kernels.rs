@@ -29,6 +29,11 @@ const KERNELS: &[(&str, &str, bool)] = &[
         true,
     ),
     (
+        "attn_prefill",
+        include_str!("../../kernels/attn_prefill.wgsl"),
+        false,
+    ),
+    (
         "attn_combine",
         include_str!("../../kernels/attn_combine.wgsl"),
         false,

@@ -1,8 +1,12 @@
-//! QK-norm + RoPE + KV append, and decode attention, against the CPU forward's steps.
+//! QK-norm + RoPE + KV append, and decode and prefill attention, against the CPU forward's
+//! steps.
 
 use super::{assert_close, gpu, nan_buffer, rand_vec};
 use smoe_compute::cpu::ops::{self, AttnShape};
-use smoe_compute::gpu::{AttnDesc, BufRef, DecodeAttention, QkNormRope, QkNormRopeDesc};
+use smoe_compute::gpu::{
+    AttnDesc, BufRef, DecodeAttention, GpuContext, GpuError, PrefillAttention, PrefillAttnTuning,
+    QkNormRope, QkNormRopeDesc,
+};
 
 /// Inverse frequencies as the engine's RopeTable computes them (no YaRN).
 fn inv_freq(theta: f64, hd: usize) -> Vec<f32> {
@@ -195,5 +199,144 @@ fn decode_attention_matches_cpu_any_context() {
             &want,
             1e-10,
         );
+    }
+}
+
+/// One prefill attention shape: (heads, kv heads, head_dim, tokens, capacity, window).
+type PrefillCase = (usize, usize, usize, usize, usize, Option<usize>);
+
+/// Runs `PrefillAttention` (the default tile, or `tuning`) recorded once, at each of `pos0s`
+/// (set through the step uniform only), against the CPU twin. Cache positions past the chunk
+/// hold NaN, as stale or unwritten cache rows may: they must never be read.
+fn check_prefill(
+    ctx: &GpuContext,
+    (nh, nkv, hd, nt, cap, window): PrefillCase,
+    pos0s: &[usize],
+    tuning: Option<PrefillAttnTuning>,
+) -> Result<(), GpuError> {
+    let kw = nkv * hd;
+    let seed = (nh * 31 + hd * 7 + nt) as u64;
+    let q = rand_vec(nt * nh * hd, seed, 1.0);
+    // Keys scaled up so that softmaxes are peaked as well as flat.
+    let kcache = rand_vec(cap * kw, seed + 1, 3.0);
+    let vcache = rand_vec(cap * kw, seed + 2, 1.0);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let qb = ctx.upload_f32("q", &q);
+    let kb = ctx.upload_f32("k cache", &kcache);
+    let vb = ctx.upload_f32("v cache", &vcache);
+    let ob = nan_buffer(ctx, "out", nt * nh * hd);
+    let step = ctx.step_buffer();
+    let desc = AttnDesc {
+        q: BufRef::new(&qb),
+        k_cache: BufRef::new(&kb),
+        v_cache: BufRef::new(&vb),
+        out: BufRef::new(&ob),
+        step: &step,
+        n_heads: nh,
+        n_kv_heads: nkv,
+        head_dim: hd,
+        n_tokens: nt,
+        capacity: cap,
+        scale,
+        window,
+    };
+    let attn = match tuning {
+        Some(t) => PrefillAttention::with_tuning(ctx, &desc, t)?,
+        None => PrefillAttention::new(ctx, &desc)?,
+    };
+    for &pos0 in pos0s {
+        let n_ctx = pos0 + nt;
+        assert!(n_ctx <= cap);
+        let poison = |c: &[f32]| {
+            let mut c = c.to_vec();
+            c[n_ctx * kw..].fill(f32::NAN);
+            c
+        };
+        ctx.queue
+            .write_buffer(&kb, 0, bytemuck::cast_slice(&poison(&kcache)));
+        ctx.queue
+            .write_buffer(&vb, 0, bytemuck::cast_slice(&poison(&vcache)));
+        ctx.queue
+            .write_buffer(&ob, 0, bytemuck::cast_slice(&vec![f32::NAN; nt * nh * hd]));
+        ctx.write_step(&step, pos0 as u32);
+        let mut want = vec![0f32; nt * nh * hd];
+        let shape = AttnShape {
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: hd,
+            scale,
+            window,
+        };
+        ops::attention(
+            &q,
+            &kcache[..n_ctx * kw],
+            &vcache[..n_ctx * kw],
+            pos0,
+            shape,
+            &mut want,
+        );
+        let mut enc = ctx.encoder();
+        attn.encode(&mut enc);
+        ctx.submit_wait(enc);
+        let got = ctx.read_f32(&ob, 0, nt * nh * hd).unwrap();
+        assert_close(
+            &format!(
+                "prefill attention {nh}/{nkv}x{hd} tokens {nt} pos0 {pos0} window {window:?} \
+                 tile {:?}",
+                attn.tuning()
+            ),
+            &got,
+            &want,
+            1e-10,
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn prefill_attention_matches_cpu() {
+    let Some(ctx) = gpu() else { return };
+    // Token counts that are not multiples of a tile, first chunks (pos0 0) and later ones,
+    // GQA groups 1..8 (3, 5, 7 included), head dims 36 (not a multiple of the score step) to
+    // 256, and sliding windows shorter than the chunk, than the context, and longer than both.
+    let cases: &[(PrefillCase, &[usize])] = &[
+        ((32, 4, 128, 64, 600, None), &[0, 512]),
+        ((8, 2, 128, 300, 700, None), &[0, 333]),
+        ((4, 4, 64, 1, 40, None), &[0, 1, 39]),
+        ((4, 1, 64, 7, 120, None), &[0, 100]),
+        ((6, 3, 48, 100, 300, None), &[0, 37]),
+        ((2, 1, 48, 300, 300, Some(1000)), &[0]),
+        ((8, 8, 64, 300, 400, Some(64)), &[0, 50]),
+        ((16, 2, 128, 100, 400, Some(40)), &[0, 200]),
+        ((7, 1, 48, 7, 20, Some(3)), &[0, 13]),
+        ((10, 2, 256, 20, 60, None), &[0, 5]),
+        ((5, 5, 36, 9, 30, Some(5)), &[0, 3]),
+        ((4, 2, 64, 7, 20, Some(100)), &[2]),
+    ];
+    for &(case, pos0s) in cases {
+        check_prefill(ctx, case, pos0s, None).unwrap();
+    }
+}
+
+/// Every tile shape the device has the workgroup memory for, on the awkward cases.
+#[test]
+fn prefill_attention_every_tile_matches_cpu() {
+    let Some(ctx) = gpu() else { return };
+    let cases: &[(PrefillCase, &[usize])] = &[
+        ((32, 4, 128, 37, 100, None), &[0, 41]),
+        ((6, 3, 48, 100, 200, Some(30)), &[17]),
+        ((3, 1, 256, 9, 40, Some(7)), &[0, 20]),
+        ((1, 1, 36, 70, 80, None), &[5]),
+    ];
+    for rows in [32, 64, 128] {
+        for dims in [16, 32] {
+            let t = PrefillAttnTuning { rows, dims };
+            for &(case, pos0s) in cases {
+                match check_prefill(ctx, case, pos0s, Some(t)) {
+                    Err(GpuError::Shape(m)) if m.contains("workgroup memory") => {}
+                    r => r.unwrap(),
+                }
+            }
+        }
     }
 }

@@ -6,9 +6,24 @@ use naga::back::msl;
 use naga::valid::{Capabilities, ShaderStages, SubgroupOperationSet, ValidationFlags, Validator};
 use smoe_compute::gpu::{kernel_names, kernel_source};
 
-/// The override sets worth checking per kernel: the defaults, and for matvec and matmul every
-/// dtype with the gated and grouped variants.
+/// The override sets worth checking per kernel: the defaults, for matvec and matmul every
+/// dtype with the gated and grouped variants, and for prefill attention the extreme tiles.
 fn variants(kernel: &str) -> Vec<Vec<(&'static str, f64)>> {
+    if kernel == "attn_prefill" {
+        return vec![
+            vec![],
+            // 128 rows, 32-dim steps, head_dim 256.
+            vec![
+                ("M", 128.0),
+                ("DS", 32.0),
+                ("OD", 8.0),
+                ("KVC", 16.0),
+                ("STAGE", 1280.0),
+            ],
+            // 32 rows, head_dim 48.
+            vec![("M", 32.0), ("OD", 2.0), ("KVC", 32.0)],
+        ];
+    }
     if kernel == "matmul" {
         let mut v = vec![];
         for dtype in 0..4 {

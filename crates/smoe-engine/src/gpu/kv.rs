@@ -5,12 +5,13 @@
 
 use super::acts::Acts;
 use super::layer::rope_inputs;
-use super::record::Recorder;
+use super::record::{Dispatch, Recorder};
 use super::weights::Weights;
 use super::{batch_sizes, gpu_err};
 use crate::error::EngineError;
 use smoe_compute::gpu::{
-    wgpu, AttnDesc, BufRef, DecodeAttention, GpuContext, QkNormRope, QkNormRopeDesc,
+    wgpu, AttnDesc, BufRef, DecodeAttention, GpuContext, PrefillAttention, QkNormRope,
+    QkNormRopeDesc,
 };
 use smoe_vault::ModelConfig;
 
@@ -20,7 +21,26 @@ pub struct GpuKv {
     _k: Vec<wgpu::Buffer>,
     _v: Vec<wgpu::Buffer>,
     /// `[batch size index][layer]`.
-    ops: Vec<Vec<(QkNormRope, DecodeAttention)>>,
+    ops: Vec<Vec<(QkNormRope, Attention)>>,
+}
+
+/// Batches of at least `PREFILL_MIN` tokens take the flash-attention-style prefill kernel (each
+/// K/V tile loaded once for a block of queries and the heads sharing it); fewer tokens take the
+/// decode kernel (one workgroup per query token and head).
+const PREFILL_MIN: usize = 16;
+
+enum Attention {
+    Decode(DecodeAttention),
+    Prefill(PrefillAttention),
+}
+
+impl Dispatch for Attention {
+    fn record_into(&self, pass: &mut wgpu::ComputePass<'_>) {
+        match self {
+            Attention::Decode(a) => a.record(pass),
+            Attention::Prefill(a) => a.record(pass),
+        }
+    }
 }
 
 /// What the attention dispatches need besides the cache.
@@ -79,24 +99,28 @@ impl GpuKv {
                     },
                 )
                 .map_err(gpu_err)?;
-                let attn = DecodeAttention::new(
-                    x.ctx,
-                    &AttnDesc {
-                        q: r.q,
-                        k_cache: BufRef::new(&k[l]),
-                        v_cache: BufRef::new(&v[l]),
-                        out: BufRef::new(&x.a.attn),
-                        step: x.step,
-                        n_heads: c.num_heads,
-                        n_kv_heads: c.num_kv_heads,
-                        head_dim: hd,
-                        n_tokens: n,
-                        capacity,
-                        scale: (hd as f32).powf(-0.5),
-                        window: c.sliding_window,
-                    },
-                )
-                .map_err(gpu_err)?;
+                let desc = AttnDesc {
+                    q: r.q,
+                    k_cache: BufRef::new(&k[l]),
+                    v_cache: BufRef::new(&v[l]),
+                    out: BufRef::new(&x.a.attn),
+                    step: x.step,
+                    n_heads: c.num_heads,
+                    n_kv_heads: c.num_kv_heads,
+                    head_dim: hd,
+                    n_tokens: n,
+                    capacity,
+                    scale: (hd as f32).powf(-0.5),
+                    window: c.sliding_window,
+                };
+                let attn = match n >= PREFILL_MIN {
+                    true => {
+                        Attention::Prefill(PrefillAttention::new(x.ctx, &desc).map_err(gpu_err)?)
+                    }
+                    false => {
+                        Attention::Decode(DecodeAttention::new(x.ctx, &desc).map_err(gpu_err)?)
+                    }
+                };
                 per_layer.push((rope, attn));
             }
             ops.push(per_layer);

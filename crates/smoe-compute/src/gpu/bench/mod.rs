@@ -6,11 +6,14 @@
 //!
 //! Prefill shapes (`tokens > 0`) are compute-bound, so their rows report GFLOP/s
 //! (2·rows·cols·tokens, ×2 gated) of the GEMM beside the decode matvec's, in a section of
-//! their own.
+//! their own. So do prefill attention shapes (`BenchShape::prefill_attention`): the decode
+//! attention kernel beside the prefill one in each of its tiles.
 
+mod attention;
 mod prefill;
 mod timer;
 
+use super::attention::PrefillAttnTuning;
 use super::buffers::{Binding, BufRef};
 use super::context::{GpuContext, GpuError};
 use super::matmul::MatMulTuning;
@@ -40,6 +43,19 @@ pub struct BenchShape {
     /// Decode shapes with `experts > 0`: the down projection instead of gate_up: `rows` output
     /// rows, each token's experts summed with router weights into them (`Fuse::reduce`).
     pub reduce: bool,
+    /// Causal attention of the chunk instead of a projection (`rows`, `cols` unused).
+    pub attention: Option<AttnBench>,
+}
+
+/// An attention measurement: a chunk of `BenchShape::tokens` queries at positions `pos0..`
+/// over f32 caches holding positions `0..pos0 + tokens`.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnBench {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub pos0: usize,
+    pub window: Option<usize>,
 }
 
 impl BenchShape {
@@ -53,6 +69,7 @@ impl BenchShape {
             tokens: 0,
             gated: false,
             reduce: false,
+            attention: None,
         }
     }
     pub fn experts(name: &str, rows: usize, cols: usize, experts: usize, stack: usize) -> Self {
@@ -65,6 +82,7 @@ impl BenchShape {
             tokens: 0,
             gated: false,
             reduce: false,
+            attention: None,
         }
     }
     /// The experts' down projection of one token: `experts` of `stack` experts, summed into
@@ -105,8 +123,36 @@ impl BenchShape {
             ..Self::experts(name, rows, cols, top_k, n_experts)
         }
     }
-    /// Multiply-adds ×2 of one call (prefill shapes).
+    /// Causal attention of a `tokens`-token chunk at `pos0` (no window).
+    pub fn prefill_attention(
+        name: &str,
+        tokens: usize,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        pos0: usize,
+    ) -> Self {
+        BenchShape {
+            tokens,
+            attention: Some(AttnBench {
+                n_heads,
+                n_kv_heads,
+                head_dim,
+                pos0,
+                window: None,
+            }),
+            ..Self::dense(name, 0, 0)
+        }
+    }
+    /// Multiply-adds ×2 of one call (prefill shapes); attention: of q·k and p·v over the keys
+    /// each query sees.
     pub fn flops(&self) -> u64 {
+        if let Some(a) = self.attention {
+            let keys: usize = (0..self.tokens)
+                .map(|t| (a.pos0 + t + 1).min(a.window.unwrap_or(usize::MAX)))
+                .sum();
+            return 4 * (a.head_dim * a.n_heads * keys) as u64;
+        }
         let slots = self.tokens * self.experts.max(1);
         2 * (self.rows * self.cols * slots) as u64 * (1 + self.gated as u64)
     }
@@ -142,6 +188,9 @@ pub fn qwen3_prefill_shapes() -> Vec<BenchShape> {
         // a popular expert's token tiles must spread over the GPU.
         BenchShape::prefill_experts("30B gate_up pf512 zipf", 768, 2048, 512, 8, 128, true),
         BenchShape::prefill_experts("30B down pf512", 2048, 768, 512, 8, 128, false),
+        // Attention of the chunk: the first one of a prompt, and one 3.5k tokens in.
+        BenchShape::prefill_attention("30B attn pf512", 512, 32, 4, 128, 0),
+        BenchShape::prefill_attention("30B attn pf512 @3584", 512, 32, 4, 128, 3584),
     ]
 }
 
@@ -162,6 +211,8 @@ pub struct BenchRow {
     pub kernel: &'static str,
     /// Prefill rows, matmul: its tile.
     pub gemm: Option<MatMulTuning>,
+    /// Prefill attention rows, attn_prefill: its tile.
+    pub attn: Option<PrefillAttnTuning>,
     /// Prefill rows: 2·rows·cols·slots (×2 gated) per second, in GFLOP/s (0 for the sort).
     pub gflops: f64,
 }
@@ -215,14 +266,20 @@ impl fmt::Display for BenchReport {
             )?;
             writeln!(
                 f,
+                "  attention: GFLOP/s = 4·head_dim·heads·visible keys / time; GB/s = K+V cache \
+                 bytes / time; attn_prefill ROWSxDIMS, the default tile first"
+            )?;
+            writeln!(
+                f,
                 "{:<18} {:<5} {:<22} {:>10} {:>9} {:>7}",
                 "shape", "dtype", "kernel", "µs", "GFLOP/s", "GB/s"
             )?;
         }
         for r in self.rows.iter().filter(|r| r.tokens > 0) {
-            let kernel = match r.gemm {
-                Some(t) => format!("matmul {}x{}x{}", t.bm, t.bn, t.bk),
-                None => r.kernel.to_string(),
+            let kernel = match (r.gemm, r.attn) {
+                (Some(t), _) => format!("matmul {}x{}x{}", t.bm, t.bn, t.bk),
+                (_, Some(t)) => format!("{} {}x{}", r.kernel, t.rows, t.dims),
+                _ => r.kernel.to_string(),
             };
             writeln!(
                 f,
@@ -287,6 +344,12 @@ pub fn bench_kernels(
     let mut rows = vec![];
     let mut errors = vec![];
     for shape in shapes {
+        if let Some(a) = shape.attention {
+            let (r, e) = attention::bench_attention(ctx, &timer, shape, a, iters, copy_gbps);
+            rows.extend(r);
+            errors.extend(e);
+            continue;
+        }
         if shape.tokens > 0 {
             let first = tunings.first().copied().unwrap_or_default();
             for &dtype in dtypes {
@@ -345,6 +408,7 @@ pub fn bench_kernels(
                     tokens: 0,
                     kernel: "matvec",
                     gemm: None,
+                    attn: None,
                     gflops: 0.0,
                 });
             }
@@ -407,6 +471,7 @@ fn run_prefill(
         tokens: shape.tokens,
         kernel: name,
         gemm,
+        attn: None,
         gflops: flops as f64 / secs / 1e9,
     })
 }
@@ -422,7 +487,10 @@ pub fn bench_gemm_tunings(
     let timer = Timer::new(ctx);
     let copy_gbps = bench_copy(ctx, &timer, iters)?;
     let (mut rows, mut errors) = (vec![], vec![]);
-    for shape in shapes.iter().filter(|s| s.tokens > 0) {
+    for shape in shapes
+        .iter()
+        .filter(|s| s.tokens > 0 && s.attention.is_none())
+    {
         for &dtype in dtypes {
             let host = host_weights(shape, dtype);
             for &t in tunings {

@@ -1,0 +1,109 @@
+//! Prefill attention measurements for `gpu::bench`: one chunk's causal attention over the KV
+//! cache by `DecodeAttention` (the path prefill took before) and by `PrefillAttention` in each
+//! tile shape the device has the workgroup memory for, the default tile first. FLOP/s count the
+//! causal work only: 4·head_dim per (query head, visible key), for q·k and p·v.
+
+use super::timer::Timer;
+use super::{AttnBench, BenchRow, BenchShape};
+use crate::gpu::attention::{AttnDesc, DecodeAttention, PrefillAttention, PrefillAttnTuning};
+use crate::gpu::buffers::BufRef;
+use crate::gpu::context::{GpuContext, GpuError};
+use crate::gpu::matvec::MatVecTuning;
+use smoe_vault::quant::DType;
+
+/// Deterministic values in [-1, 1): timing does not depend on them, but NaN or denormals might.
+fn filler(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+/// The rows of one attention shape, and the errors of the kernels that could not run.
+pub(super) fn bench_attention(
+    ctx: &GpuContext,
+    timer: &Timer,
+    shape: &BenchShape,
+    a: AttnBench,
+    iters: usize,
+    copy_gbps: f64,
+) -> (Vec<BenchRow>, Vec<String>) {
+    let (nt, hd) = (shape.tokens, a.head_dim);
+    let cap = a.pos0 + nt;
+    let kvw = a.n_kv_heads * hd;
+    let q = ctx.upload_f32("bench q", &filler(nt * a.n_heads * hd, 1));
+    let kc = ctx.upload_f32("bench k cache", &filler(cap * kvw, 2));
+    let vc = ctx.upload_f32("bench v cache", &filler(cap * kvw, 3));
+    let out = ctx.storage_buffer("bench attention out", 4 * (nt * a.n_heads * hd) as u64);
+    let step = ctx.step_buffer();
+    ctx.write_step(&step, a.pos0 as u32);
+    let desc = AttnDesc {
+        q: BufRef::new(&q),
+        k_cache: BufRef::new(&kc),
+        v_cache: BufRef::new(&vc),
+        out: BufRef::new(&out),
+        step: &step,
+        n_heads: a.n_heads,
+        n_kv_heads: a.n_kv_heads,
+        head_dim: hd,
+        n_tokens: nt,
+        capacity: cap,
+        scale: 1.0 / (hd as f32).sqrt(),
+        window: a.window,
+    };
+    // The cache bytes of the visible context (each kernel reads them at least once).
+    let bytes = 8 * (cap * kvw) as u64;
+    let row = |kernel, attn, secs: f64| {
+        let gbps = bytes as f64 / secs / 1e9;
+        BenchRow {
+            shape: shape.name.clone(),
+            dtype: DType::F32,
+            tuning: MatVecTuning::default(),
+            bytes,
+            micros: secs * 1e6,
+            gbps,
+            ratio: gbps / copy_gbps,
+            tokens: nt,
+            kernel,
+            gemm: None,
+            attn,
+            gflops: shape.flops() as f64 / secs / 1e9,
+        }
+    };
+    let (mut rows, mut errors) = (vec![], vec![]);
+    let time = |rec: &dyn Fn(&mut wgpu::ComputePass<'_>)| {
+        timer.time(&|pass| (0..iters).for_each(|_| rec(pass)))
+    };
+    let what = |k: &str, e: GpuError| format!("{} {k}: {e}", shape.name);
+    match DecodeAttention::new(ctx, &desc).and_then(|d| time(&|p| d.record(p))) {
+        Ok(secs) => rows.push(row("attn_decode", None, secs / iters as f64)),
+        Err(e) => errors.push(what("attn_decode", e)),
+    }
+    let pick = PrefillAttnTuning::pick(ctx, hd);
+    let mut tunings = vec![pick];
+    for rows in [32, 64, 128] {
+        for dims in [16, 32] {
+            let t = PrefillAttnTuning { rows, dims };
+            if t != pick {
+                tunings.push(t);
+            }
+        }
+    }
+    for t in tunings {
+        match PrefillAttention::with_tuning(ctx, &desc, t) {
+            Ok(k) => match time(&|p| k.record(p)) {
+                Ok(secs) => rows.push(row("attn_prefill", Some(t), secs / iters as f64)),
+                Err(e) => errors.push(what("attn_prefill", e)),
+            },
+            // A tile larger than this device's workgroup memory is not an error of the bench.
+            Err(GpuError::Shape(m)) if m.contains("workgroup memory") => {}
+            Err(e) => errors.push(what("attn_prefill", e)),
+        }
+    }
+    (rows, errors)
+}
