@@ -14,11 +14,7 @@
 // instead of x (every workgroup recomputes each token's sum of squares: a read of x it stages
 // anyway, instead of a dependent dispatch); ACCUM adds the result to y (a residual add); REDUCE
 // (with GROUPED) sums the k slots of each output row with weights rw: y[t] = Σ_j rw[t·k + j] ·
-// W_{ids[t·k + j]} · x[t·k + j], the weighted sum of a token's routed experts. TOPK (with
-// GROUPED) takes the experts and their weights from the router's logits instead of from ids/rw:
-// binding 4 then holds the logits (f32 bits, n_exp per token) and every workgroup repeats the
-// softmax top-k of kernels/router.wgsl for its token — a few µs inside each of the two expert
-// kernels instead of a dependent dispatch of its own.
+// W_{ids[t·k + j]} · x[t·k + j], the weighted sum of a token's routed experts.
 //
 // Staged layout: the VPC vec4s of x that chunk k needs are stored "chunk-minor", vec4 i of chunk
 // k of token t at (t·VPC + i)·NCH + k, so the lanes of a subgroup, which work on consecutive
@@ -47,10 +43,6 @@ struct Params {
     eps: f32,          // NORM
     rw_off: u32,       // REDUCE: f32 index of slot 0's weight
     k_red: u32,        // REDUCE: slots per output row
-    n_exp: u32,        // TOPK: router logits per token
-    top_k: u32,        // TOPK: experts per token
-    renorm: u32,       // TOPK: weights renormalised over the chosen experts
-    _pad: u32,
 }
 
 override DTYPE: u32 = 2u; // 0 bf16, 1 q8, 2 q4, 3 q2; q4 variants: 4 float bits, 5 int8 dot (see chunk)
@@ -63,7 +55,6 @@ override GROUPED: bool = false;
 override NORM: bool = false;
 override ACCUM: bool = false;
 override REDUCE: bool = false;
-override TOPK: bool = false;
 // vec4s of x per 16-byte chunk of codes: 8, 16, 32 or 64 inputs.
 override VPC: u32 = select(select(select(16u, 8u, DTYPE == 2u || DTYPE >= 4u), 4u, DTYPE == 1u), 2u, DTYPE == 0u);
 // Chunks per row and tile.
@@ -310,58 +301,6 @@ fn stage(li: u32, xbase: u32, c0: u32, tc: u32, nt: u32) {
     }
 }
 
-// TOPK: token t's chosen experts (largest logit first, ties to the lower id) and weights.
-var<workgroup> tk_id: array<u32, NT_MAX>;
-var<workgroup> tk_w: array<f32, NT_MAX>;
-
-// TOPK: the first subgroup picks token t's top_k experts from its logits (each lane scans every
-// ss-th logit; subgroup max / min pick the winner of each round), as kernels/router.wgsl does.
-fn topk(t: u32, sg: u32, lane: u32, ss: u32) {
-    if sg == 0u {
-        let base = p.ids_off + t * p.n_exp;
-        var mx = -3.0e38;
-        for (var e = lane; e < p.n_exp; e += ss) {
-            mx = max(mx, bitcast<f32>(ids[base + e]));
-        }
-        mx = subgroupMax(mx);
-        var se = 0.0;
-        for (var e = lane; e < p.n_exp; e += ss) {
-            se += exp(bitcast<f32>(ids[base + e]) - mx);
-        }
-        let sum = subgroupAdd(se);
-        var chosen: array<u32, NT_MAX>;
-        var pr: array<f32, NT_MAX>;
-        var total = 0.0;
-        for (var r = 0u; r < p.top_k; r++) {
-            var bv = -3.0e38;
-            var bi = 0xffffffffu;
-            for (var e = lane; e < p.n_exp; e += ss) {
-                var taken = false;
-                for (var j = 0u; j < r; j++) {
-                    taken = taken || chosen[j] == e;
-                }
-                let v = bitcast<f32>(ids[base + e]);
-                if !taken && (v > bv || bi == 0xffffffffu) {
-                    bv = v;
-                    bi = e;
-                }
-            }
-            let m = subgroupMax(bv);
-            let i = subgroupMin(select(0xffffffffu, bi, bv == m));
-            chosen[r] = i;
-            pr[r] = exp(bitcast<f32>(ids[base + i]) - mx) / sum;
-            total += pr[r];
-        }
-        if lane == 0u {
-            for (var r = 0u; r < p.top_k; r++) {
-                tk_id[r] = chosen[r];
-                tk_w[r] = select(pr[r], pr[r] / total, p.renorm != 0u);
-            }
-        }
-    }
-    workgroupBarrier();
-}
-
 // NORM: 1/rms of each of the nt tokens' x rows (cols wide) into inv_rms.
 fn rms(li: u32, sg: u32, nsg: u32, lane: u32, xbase: u32, nt: u32) {
     for (var t = 0u; t < NT; t++) {
@@ -423,18 +362,9 @@ fn main(
     for (var i = li; i < PART_LEN; i += WG) {
         part[i] = 0.0;
     }
-    if TOPK {
-        // gate_up: slot oslot is token oslot / x_div's (oslot % x_div)-th expert; a reduce's
-        // row block is one token.
-        topk(select(oslot / p.x_div, oslot, REDUCE), sg, lane, ss);
-    }
     var mat = 0u;
     if GROUPED && !REDUCE {
-        if TOPK {
-            mat = tk_id[oslot % p.x_div];
-        } else {
-            mat = ids[p.ids_off + oslot];
-        }
+        mat = ids[p.ids_off + oslot];
     }
     let wbase = p.w_off + mat * p.w_mat_stride;
     var xbase = p.x_off + (oslot / p.x_div) * p.x_slot + t0 * p.x_tok;
@@ -459,21 +389,12 @@ fn main(
                 let row = row0 + r;
                 if row < p.rows {
                     let slot = oslot * NT + t;
-                    var e = 0u;
-                    var wt = 0.0;
-                    if TOPK {
-                        e = tk_id[t];
-                        wt = tk_w[t];
-                    } else {
-                        e = ids[p.ids_off + slot];
-                        wt = rw[p.rw_off + slot];
-                    }
-                    let rb = p.w_off + e * p.w_mat_stride + row * p.row_stride;
+                    let rb = p.w_off + ids[p.ids_off + slot] * p.w_mat_stride + row * p.row_stride;
                     var acc: array<f32, NT_MAX>;
                     row_dot(rb, cfirst, nchunks, lane, ss, t, t + 1u, &acc);
                     let s = subgroupAdd(acc[0]);
                     if lane == 0u {
-                        part[2u * (r * NT + t)] += wt * s;
+                        part[2u * (r * NT + t)] += rw[p.rw_off + slot] * s;
                     }
                 }
             }

@@ -63,21 +63,6 @@ pub struct Fuse<'a> {
     /// (`[n_slots]` f32, e.g. the router's): `y[t] = Σ_j w[t·k + j] · W_{ids[t·k + j]} · x[t·k + j]`,
     /// so `y` holds `n_slots / k` rows. Not with gated products.
     pub reduce: Option<(BufRef<'a>, usize)>,
-    /// Grouped only: choose each token's experts and weights from the router's logits inside
-    /// the kernel (the softmax top-k of `Router`), instead of reading `Grouped::ids` and the
-    /// reduce weights. Gate_up: `slots_per_x` must be `k`; down: `reduce` must be over `k`.
-    pub topk: Option<TopK<'a>>,
-}
-
-/// The router's logits and choice for `Fuse::topk`.
-#[derive(Clone, Copy, Debug)]
-pub struct TopK<'a> {
-    /// `[tokens][n_exp]` f32.
-    pub logits: BufRef<'a>,
-    pub n_exp: usize,
-    pub k: usize,
-    /// Weights renormalised to sum to one over the chosen experts (`norm_topk_prob`).
-    pub renormalize: bool,
 }
 
 #[repr(C)]
@@ -103,10 +88,6 @@ struct Params {
     eps: f32,
     rw_off: u32,
     k_red: u32,
-    n_exp: u32,
-    top_k: u32,
-    renorm: u32,
-    _pad: u32,
 }
 
 /// Launch shape and decoding choices; `Default` is what `MatVec::new` uses. Exposed so that
@@ -305,7 +286,6 @@ impl MatVec {
                 ("NORM", f.norm.is_some() as u8 as f64),
                 ("ACCUM", f.accumulate as u8 as f64),
                 ("REDUCE", f.reduce.is_some() as u8 as f64),
-                ("TOPK", f.topk.is_some() as u8 as f64),
             ],
         )?;
         let (n_slots, n_mats, mat_stride, x_per_slot, x_div) = match d.grouped {
@@ -348,27 +328,9 @@ impl MatVec {
             None => (nb, 0),
         };
         let ids_fallback;
-        let (ib, ids_off) = match (d.grouped, f.topk) {
-            (Some(_), Some(tk)) => {
-                let fits = match f.reduce {
-                    Some((_, k)) => k == tk.k,
-                    None => x_per_slot && x_div == tk.k,
-                };
-                if !fits || tk.k == 0 || tk.k > NT_MAX || n_slots % tk.k != 0 || tk.n_exp == 0 {
-                    return Err(err(format!(
-                        "a top-{} choice among {} experts must match the product's slots per token",
-                        tk.k, tk.n_exp
-                    )));
-                }
-                let tokens = n_slots / tk.k;
-                tk.logits
-                    .bind(ctx, "matvec router logits", tokens * tk.n_exp, 4)?
-            }
-            (None, Some(_)) => return Err(err("a top-k choice needs a grouped product".into())),
-            (Some(g), None) => {
-                BufRef::at(g.ids, g.ids_offset).bind(ctx, "matvec ids", n_slots, 4)?
-            }
-            (None, None) => {
+        let (ib, ids_off) = match d.grouped {
+            Some(g) => BufRef::at(g.ids, g.ids_offset).bind(ctx, "matvec ids", n_slots, 4)?,
+            None => {
                 ids_fallback = ctx.storage_buffer("matvec ids (unused)", 16);
                 (Binding::whole(&ids_fallback), 0)
             }
@@ -411,10 +373,6 @@ impl MatVec {
                 eps,
                 rw_off,
                 k_red: k_red as u32,
-                n_exp: f.topk.map_or(0, |t| t.n_exp) as u32,
-                top_k: f.topk.map_or(0, |t| t.k) as u32,
-                renorm: f.topk.is_some_and(|t| t.renormalize) as u32,
-                _pad: 0,
             };
             let pbuf = ctx.uniform("matvec params", &params);
             let bind = ctx.bind_group(

@@ -389,7 +389,7 @@ fn matvec_fused_norm_accumulate_reduce() {
             let fuse = Fuse {
                 norm: Some((BufRef::new(&nbuf), eps)),
                 accumulate: true,
-                ..Default::default()
+                reduce: None,
             };
             let mv = MatVec::fused(ctx, &desc, &fuse).unwrap();
             let mut enc = ctx.encoder();
@@ -489,9 +489,9 @@ fn matvec_fused_norm_accumulate_reduce() {
                 }),
             };
             let fuse = Fuse {
+                norm: None,
                 accumulate: true,
                 reduce: Some((BufRef::new(&wtbuf), k)),
-                ..Default::default()
             };
             let mv = MatVec::fused(ctx, &desc, &fuse).unwrap();
             let mut enc = ctx.encoder();
@@ -597,157 +597,5 @@ fn matvec_grouped_gated_with_norm() {
         ctx.submit_wait(enc);
         let got = ctx.read_f32(&ybuf, 0, ids.len() * rows).unwrap();
         assert_close(&format!("grouped gated norm {dtype}"), &got, &want, 1e-5);
-    }
-}
-
-/// Experts chosen inside the kernels from the router's logits (`Fuse::topk`): the gated
-/// gate_up and the reduced down of a layer's routed experts, against the CPU's softmax top-k
-/// and per-expert products — ties in the logits included (the lower id wins).
-#[test]
-fn matvec_grouped_topk_from_router_logits() {
-    use smoe_compute::cpu::ops::route_softmax_topk;
-    use smoe_compute::gpu::{Fuse, TopK};
-    let Some(ctx) = gpu() else { return };
-    for (i, dtype) in DTYPES.into_iter().enumerate() {
-        for (n_exp, k, renorm) in [(12usize, 4usize, true), (40, 8, false), (9, 2, true)] {
-            let (inter, h, n_tok) = (64usize, 192usize, 3usize);
-            let seed = 1000 + 10 * i as u64 + k as u64;
-            // gate_up: [inter] gate rows then [inter] up rows per expert, blob-strided.
-            let gsize = dtype.row_stride(h) * inter;
-            let gstride = (2 * gsize + 48).next_multiple_of(16);
-            let dsize = dtype.row_stride(inter) * h;
-            let dstride = (dsize + 32).next_multiple_of(16);
-            let (mut gblob, mut dblob) = (vec![0u8; gstride * n_exp], vec![0u8; dstride * n_exp]);
-            let mut mats = vec![];
-            for e in 0..n_exp {
-                let g = quantize_matrix(
-                    dtype,
-                    &rand_vec(inter * h, seed + 3 * e as u64, 1.0),
-                    inter,
-                    h,
-                );
-                let u = quantize_matrix(
-                    dtype,
-                    &rand_vec(inter * h, seed + 3 * e as u64 + 1, 1.0),
-                    inter,
-                    h,
-                );
-                let d = quantize_matrix(
-                    dtype,
-                    &rand_vec(h * inter, seed + 3 * e as u64 + 2, 1.0),
-                    h,
-                    inter,
-                );
-                gblob[e * gstride..e * gstride + gsize].copy_from_slice(&g);
-                gblob[e * gstride + gsize..e * gstride + 2 * gsize].copy_from_slice(&u);
-                dblob[e * dstride..e * dstride + dsize].copy_from_slice(&d);
-                mats.push((g, u, d));
-            }
-            let x = rand_vec(n_tok * h, seed + 500, 1.0);
-            let mut logits = rand_vec(n_tok * n_exp, seed + 501, 3.0);
-            // A tie between two experts of token 0: the lower id must win.
-            logits[2] = logits[1];
-            let y0 = rand_vec(n_tok * h, seed + 502, 1.0);
-            let (mut want_gu, mut want) = (vec![0f32; n_tok * k * inter], y0.clone());
-            for t in 0..n_tok {
-                let route = route_softmax_topk(&logits[t * n_exp..(t + 1) * n_exp], k, renorm);
-                for (s, &(e, w)) in route.iter().enumerate() {
-                    let (g, u, d) = &mats[e];
-                    let xs = &x[t * h..(t + 1) * h];
-                    let (mut gw, mut uw) = (vec![0f32; inter], vec![0f32; inter]);
-                    matmul(QMatRef::new(dtype, inter, h, g), xs, 1, &mut gw);
-                    matmul(QMatRef::new(dtype, inter, h, u), xs, 1, &mut uw);
-                    silu_mul(&mut gw, &uw);
-                    let slot = t * k + s;
-                    want_gu[slot * inter..(slot + 1) * inter].copy_from_slice(&gw);
-                    let mut out = vec![0f32; h];
-                    matmul(QMatRef::new(dtype, h, inter, d), &gw, 1, &mut out);
-                    for r in 0..h {
-                        want[t * h + r] += w * out[r];
-                    }
-                }
-            }
-            let (gbuf, dbuf) = (ctx.upload("gate_up", &gblob), ctx.upload("down", &dblob));
-            let lbuf = ctx.upload_f32("router logits", &logits);
-            let xbuf = ctx.upload_f32("x", &x);
-            let gubuf = nan_buffer(ctx, "gu", n_tok * k * inter);
-            let ybuf = ctx.upload_f32("y", &y0);
-            let unused = ctx.storage_buffer("ids (unused)", 4 * (n_tok * k) as u64);
-            let topk = Some(TopK {
-                logits: BufRef::new(&lbuf),
-                n_exp,
-                k,
-                renormalize: renorm,
-            });
-            let grouped = |x_per_slot, slots_per_x, stride: usize| Grouped {
-                ids: &unused,
-                ids_offset: 0,
-                n_slots: n_tok * k,
-                n_mats: n_exp,
-                mat_stride: stride as u64,
-                x_per_slot,
-                slots_per_x,
-            };
-            let gate_up = MatVecDesc {
-                w: WeightRef {
-                    buffer: &gbuf,
-                    offset: 0,
-                    dtype,
-                    rows: inter,
-                    cols: h,
-                },
-                up_offset: Some(gsize as u64),
-                x: BufRef::new(&xbuf),
-                y: BufRef::new(&gubuf),
-                n_tokens: 1,
-                grouped: Some(grouped(true, k, gstride)),
-            };
-            let down = MatVecDesc {
-                w: WeightRef {
-                    buffer: &dbuf,
-                    offset: 0,
-                    dtype,
-                    rows: h,
-                    cols: inter,
-                },
-                up_offset: None,
-                x: BufRef::new(&gubuf),
-                y: BufRef::new(&ybuf),
-                n_tokens: 1,
-                grouped: Some(grouped(true, 1, dstride)),
-            };
-            let f_gu = Fuse {
-                topk,
-                ..Default::default()
-            };
-            let f_down = Fuse {
-                accumulate: true,
-                reduce: Some((BufRef::new(&unused), k)),
-                topk,
-                ..Default::default()
-            };
-            let (a, b) = (
-                MatVec::fused(ctx, &gate_up, &f_gu).unwrap(),
-                MatVec::fused(ctx, &down, &f_down).unwrap(),
-            );
-            let mut enc = ctx.encoder();
-            a.encode(&mut enc);
-            b.encode(&mut enc);
-            ctx.submit_wait(enc);
-            let what = format!("{dtype} top-{k} of {n_exp}");
-            let got_gu = ctx.read_f32(&gubuf, 0, n_tok * k * inter).unwrap();
-            assert_close(&format!("gate_up {what}"), &got_gu, &want_gu, 1e-5);
-            let got = ctx.read_f32(&ybuf, 0, n_tok * h).unwrap();
-            assert_close(&format!("down {what}"), &got, &want, 1e-5);
-            // A top-k that does not match the slots per token is refused.
-            let bad = Fuse {
-                topk: Some(TopK {
-                    k: k + 1,
-                    ..topk.unwrap()
-                }),
-                ..Default::default()
-            };
-            assert!(MatVec::fused(ctx, &gate_up, &bad).is_err());
-        }
     }
 }

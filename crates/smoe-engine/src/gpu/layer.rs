@@ -9,9 +9,7 @@
 //! little it does (`smoe bench decode --breakdown`), so work is fused into the matvecs
 //! (`smoe_compute::gpu::Fuse`): the residual adds into o and the down projections, the
 //! experts' weighted sum into their down projection, and for single tokens both RMSNorms into
-//! the matvecs that read the normed input (each recomputes it), and, with resident experts, the
-//! router's softmax top-k into both expert kernels (each workgroup re-derives its token's
-//! choice from the logits). A Qwen3-MoE layer is then 7 dispatches. A layer with a shared expert
+//! the matvecs that read the normed input (each recomputes it). A layer with a shared expert
 //! keeps its post-attention norm separate: its shared MLP must read the normed input after the
 //! routed experts have already added to x.
 //!
@@ -27,7 +25,7 @@ use super::weights::{FfnW, LayerW, Mlp};
 use crate::error::EngineError;
 use smoe_compute::gpu::{
     wgpu, BufRef, EltOp, Eltwise, ExpertSort, Fuse, GpuContext, Grouped, MatMul, MatMulDesc,
-    MatMulGrouped, MatMulTuning, MatVec, MatVecDesc, RmsNorm, Router, TopK, WeightRef, WeightedSum,
+    MatMulGrouped, MatMulTuning, MatVec, MatVecDesc, RmsNorm, Router, WeightRef, WeightedSum,
 };
 use smoe_vault::ModelConfig;
 
@@ -291,7 +289,6 @@ impl LayerOps {
         a: &Acts,
         c: &ModelConfig,
         n: usize,
-        streaming: bool,
     ) -> Result<Self, EngineError> {
         let b = B {
             ctx,
@@ -384,21 +381,9 @@ impl LayerOps {
                     false => b.mv_in("router", input, router.w(0), None, rlog, None),
                 };
                 post.push(router?);
-                // Resident, unbatched: the experts' kernels choose the experts themselves from
-                // the router's logits (no top-k dispatch). Streaming needs the choice on the
-                // host first, and batches sort their slots by it.
-                let in_kernel = !streaming && !b.gemm;
-                if !in_kernel {
-                    let route = Router::new(ctx, rlog, ids, rw, e.n, k, n, c.norm_topk_prob);
-                    post.push(Op::new("router top-k", route.map_err(gpu_err)?));
-                }
+                let route = Router::new(ctx, rlog, ids, rw, e.n, k, n, c.norm_topk_prob);
+                post.push(Op::new("router top-k", route.map_err(gpu_err)?));
                 experts_at = Some(post.len());
-                let topk = in_kernel.then_some(TopK {
-                    logits: rlog,
-                    n_exp: e.n,
-                    k,
-                    renormalize: c.norm_topk_prob,
-                });
                 // Slot t·k + s is token t's s-th expert: gate_up reads token t's input (k slots
                 // share it), down reads its slot's gate_up output and sums each token's k slots
                 // with the router's weights into x.
@@ -432,29 +417,11 @@ impl LayerOps {
                     post.extend([gate_up, down]);
                     post.push(b.add_to_x("experts sum", eo, rw, k)?);
                 } else {
-                    let (x_in, norm) = match input {
-                        Input::Normed => (BufRef::new(&a.hn), None),
-                        Input::Fused(nw, eps) => (BufRef::new(&a.x), Some((nw, eps))),
-                    };
-                    let fuse = Fuse {
-                        norm,
-                        topk,
-                        ..Fuse::default()
-                    };
-                    let gu_op = b.mv(
-                        "experts gate_up",
-                        gate,
-                        up,
-                        x_in,
-                        gu,
-                        Some(grouped(k)),
-                        fuse,
-                    );
-                    post.push(gu_op?);
+                    let grouped_gu = Some(grouped(k));
+                    post.push(b.mv_in("experts gate_up", input, gate, up, gu, grouped_gu)?);
                     let fuse = Fuse {
                         accumulate: true,
                         reduce: Some((rw, k)),
-                        topk,
                         ..Fuse::default()
                     };
                     let x = BufRef::new(&a.x);

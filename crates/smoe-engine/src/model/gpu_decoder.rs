@@ -229,7 +229,7 @@ impl GpuDecoder {
             let layers = weights
                 .layers
                 .iter()
-                .map(|w| LayerOps::new(ctx, w, &acts, &cfg, n, streaming.is_some()))
+                .map(|w| LayerOps::new(ctx, w, &acts, &cfg, n))
                 .collect::<Result<Vec<_>, _>>()?;
             batches.push((layers, Head::new(ctx, &weights, &acts, eps, n)?));
         }
