@@ -12,6 +12,7 @@
 //! (`smoe_vault::quant`), decoded inside the kernels from exactly the vault's bytes.
 
 mod attention;
+mod attn_prefill;
 pub mod bench;
 mod buffers;
 mod context;
@@ -24,10 +25,8 @@ mod parts;
 mod router;
 mod timestamps;
 
-pub use attention::{
-    AttnDesc, DecodeAttention, PrefillAttention, PrefillAttnTuning, QkNormRope, QkNormRopeDesc,
-    PREFILL_MAX_HEAD_DIM,
-};
+pub use attention::{AttnDesc, DecodeAttention, QkNormRope, QkNormRopeDesc};
+pub use attn_prefill::{PrefillAttention, PrefillAttnTuning, PREFILL_MAX_HEAD_DIM};
 pub use buffers::{BufRef, StepParams};
 pub use context::{GpuContext, GpuError, GpuInfo};
 pub use expert_sort::{ExpertSort, SORT_MAX_EXPERTS, SORT_MAX_SLOTS};

@@ -5,7 +5,8 @@
 
 use super::timer::Timer;
 use super::{AttnBench, BenchRow, BenchShape};
-use crate::gpu::attention::{AttnDesc, DecodeAttention, PrefillAttention, PrefillAttnTuning};
+use crate::gpu::attention::{AttnDesc, DecodeAttention};
+use crate::gpu::attn_prefill::{PrefillAttention, PrefillAttnTuning};
 use crate::gpu::buffers::BufRef;
 use crate::gpu::context::{GpuContext, GpuError};
 use crate::gpu::matvec::MatVecTuning;

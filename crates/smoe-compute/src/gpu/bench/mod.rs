@@ -13,7 +13,7 @@ mod attention;
 mod prefill;
 mod timer;
 
-use super::attention::PrefillAttnTuning;
+use super::attn_prefill::PrefillAttnTuning;
 use super::buffers::{Binding, BufRef};
 use super::context::{GpuContext, GpuError};
 use super::matmul::MatMulTuning;
