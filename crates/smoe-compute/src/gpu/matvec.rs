@@ -421,3 +421,27 @@ impl MatVec {
         super::in_pass(enc, "matvec", |p| self.record(p));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::MatVecTuning;
+
+    /// The launch shapes the H200 sweep chose (docs/performance.md), kept on purpose.
+    #[test]
+    fn launch_shape_per_size() {
+        let rows =
+            |r, slots, grouped, reduce| MatVecTuning::for_product(r, slots, grouped, reduce).rows;
+        assert_eq!(rows(151_936, 1, false, false), 32, "LM head");
+        assert_eq!(rows(8192, 1, false, false), 32, "235B q_proj");
+        assert_eq!(rows(4096, 1, false, false), 16, "30B q_proj");
+        assert_eq!(rows(2048, 1, false, false), 8, "30B o_proj");
+        assert_eq!(rows(768, 8, true, false), 16, "30B gate_up, 8 experts");
+        assert_eq!(rows(2048, 1, true, true), 16, "30B down, 8 experts summed");
+        assert_eq!(
+            rows(128, 1, false, false),
+            2,
+            "a router: as many workgroups as it can"
+        );
+        assert!(MatVecTuning::for_shape(64, 1, false).wg == 256);
+    }
+}
