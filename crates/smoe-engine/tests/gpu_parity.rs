@@ -134,24 +134,28 @@ fn decode_logits_match_cpu() {
     let v = TempVault::new(name, DType::Q8);
     let (gpu, cpu) = (v.open(Backend::Gpu), v.open(Backend::Cpu));
     let prompt = &smoe_fixtures::reference(name).prompts[0].prompt;
-    let (mut sg, mut sc) = (gpu.session(prompt.len() + 8), cpu.session(prompt.len() + 8));
-    let (mut lg, mut lc) = (
-        sg.feed(prompt, Logits::Last).unwrap(),
-        sc.feed(prompt, Logits::Last).unwrap(),
-    );
-    for step in 0..8 {
-        assert_eq!(lg.len(), lc.len());
-        let scale = lc.iter().fold(0f32, |m, x| m.max(x.abs()));
-        let dev = lg
-            .iter()
-            .zip(&lc)
-            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        assert!(
-            dev <= 1e-3 * scale.max(1.0),
-            "{name} step {step}: logits differ by {dev}"
+    // Small and large caches: beyond 512 positions decoding splits the context over several
+    // workgroups, whose partial results all layers share in one scratch buffer.
+    for capacity in [prompt.len() + 8, 1500] {
+        let (mut sg, mut sc) = (gpu.session(capacity), cpu.session(capacity));
+        let (mut lg, mut lc) = (
+            sg.feed(prompt, Logits::Last).unwrap(),
+            sc.feed(prompt, Logits::Last).unwrap(),
         );
-        let id = smoe_engine::sampler::argmax(&lc);
-        lg = sg.feed(&[id], Logits::Last).unwrap();
-        lc = sc.feed(&[id], Logits::Last).unwrap();
+        for step in 0..8 {
+            assert_eq!(lg.len(), lc.len());
+            let scale = lc.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let dev = lg
+                .iter()
+                .zip(&lc)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(
+                dev <= 1e-3 * scale.max(1.0),
+                "{name} capacity {capacity} step {step}: logits differ by {dev}"
+            );
+            let id = smoe_engine::sampler::argmax(&lc);
+            lg = sg.feed(&[id], Logits::Last).unwrap();
+            lc = sc.feed(&[id], Logits::Last).unwrap();
+        }
     }
 }

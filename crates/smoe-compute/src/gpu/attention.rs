@@ -184,16 +184,55 @@ pub struct DecodeAttention {
     split: Dispatch,
     /// Merges the splits; `None` when there is one split, which writes the output directly.
     combine: Option<Dispatch>,
-    /// Partial outputs of the splits, created here at load time.
+    /// Partial outputs of the splits (shared by the layers of a sequence: their attention
+    /// dispatches run one after another).
     _part: wgpu::Buffer,
+}
+
+/// Splits of the context: enough to fill a big GPU at long contexts; each split covers ≥ ~512
+/// positions of a full cache, so at short contexts most of their tiles are cheap or empty. A
+/// batch of 16 or more tokens fills the GPU with its (head, token) workgroups alone.
+fn n_split(a: &AttnDesc) -> usize {
+    match a.n_tokens {
+        1..16 => a.capacity.div_ceil(512).clamp(1, 32),
+        _ => 1,
+    }
 }
 
 /// Largest head dimension the kernel's workgroup arrays hold.
 pub const MAX_HEAD_DIM: usize = 512;
 
 impl DecodeAttention {
+    /// Bytes of partial results `a` needs in a scratch buffer (0: one split, which writes the
+    /// output directly).
+    pub fn scratch_bytes(a: &AttnDesc) -> u64 {
+        match n_split(a) {
+            1 => 0,
+            s => 4 * (a.n_tokens * a.n_heads * s * (a.head_dim + 2)) as u64,
+        }
+    }
+
+    /// With its own scratch buffer.
     pub fn new(ctx: &GpuContext, a: &AttnDesc) -> Result<Self, GpuError> {
+        let scratch = ctx.storage_buffer("attention partials", Self::scratch_bytes(a).max(16));
+        Self::with_scratch(ctx, a, &scratch)
+    }
+
+    /// Partial results in `scratch` (at least `scratch_bytes(a)`), which attention dispatches
+    /// that run one after another — the layers of a sequence — can share.
+    pub fn with_scratch(
+        ctx: &GpuContext,
+        a: &AttnDesc,
+        scratch: &wgpu::Buffer,
+    ) -> Result<Self, GpuError> {
         let (hd, kvw) = (a.head_dim, a.n_kv_heads * a.head_dim);
+        if scratch.size() < Self::scratch_bytes(a) {
+            return Err(GpuError::Shape(format!(
+                "attention: scratch of {} bytes, needs {}",
+                scratch.size(),
+                Self::scratch_bytes(a)
+            )));
+        }
         if hd % 4 != 0 || hd > MAX_HEAD_DIM || a.n_kv_heads == 0 || a.n_heads % a.n_kv_heads != 0 {
             return Err(GpuError::Shape(format!(
                 "attention: head_dim {hd} (multiple of 4, at most {MAX_HEAD_DIM}), {} heads over {} kv heads",
@@ -211,17 +250,9 @@ impl DecodeAttention {
         let (vb, vc_off) = a
             .v_cache
             .bind(ctx, "attention v cache", a.capacity * kvw, 16)?;
-        // Enough splits to fill a big GPU at long contexts; each split covers ≥ ~512 positions
-        // of a full cache, so at short contexts most of their tiles are cheap or empty. A batch
-        // of 16 or more tokens fills the GPU with its (head, token) workgroups alone.
-        let n_split = match a.n_tokens {
-            1..16 => a.capacity.div_ceil(512).clamp(1, 32),
-            _ => 1,
-        };
+        let n_split = n_split(a);
         let rows = a.n_tokens * a.n_heads * n_split;
-        // One split writes its output directly: no partials.
-        let part_len = if n_split == 1 { 4 } else { rows * (hd + 2) };
-        let part = ctx.storage_buffer("attention partials", 4 * part_len as u64);
+        let part = scratch.clone();
         let ml_off = (rows * hd) as u32;
         let dp = DecodeParams {
             n_heads: a.n_heads as u32,

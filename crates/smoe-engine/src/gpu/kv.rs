@@ -75,6 +75,9 @@ impl GpuKv {
         let mut ops = vec![];
         for n in batch_sizes() {
             let mut per_layer = vec![];
+            // The decode kernel's partial results: one buffer for all layers of this batch
+            // size (their attention dispatches run one after another), created on first need.
+            let mut scratch: Option<wgpu::Buffer> = None;
             for (l, lw) in x.w.layers.iter().enumerate() {
                 let r = rope_inputs(lw, x.a, c, n);
                 let rope = QkNormRope::new(
@@ -118,7 +121,12 @@ impl GpuKv {
                         Attention::Prefill(PrefillAttention::new(x.ctx, &desc).map_err(gpu_err)?)
                     }
                     false => {
-                        Attention::Decode(DecodeAttention::new(x.ctx, &desc).map_err(gpu_err)?)
+                        let bytes = DecodeAttention::scratch_bytes(&desc).max(16);
+                        let buf = scratch.get_or_insert_with(|| {
+                            x.ctx.storage_buffer("attention partials", bytes)
+                        });
+                        let a = DecodeAttention::with_scratch(x.ctx, &desc, buf);
+                        Attention::Decode(a.map_err(gpu_err)?)
                     }
                 };
                 per_layer.push((rope, attn));
