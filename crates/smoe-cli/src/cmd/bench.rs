@@ -13,7 +13,8 @@ pub enum Bench {
     /// Prefill and decode tok/s, expert-cache hit rate, read GB/s, and the I/O and bandwidth
     /// bounds, all measured in this run.
     Decode(DecodeArgs),
-    /// GB/s of each GPU matvec kernel at Qwen3-MoE shapes beside a copy kernel's GB/s.
+    /// GB/s of each GPU matvec kernel at Qwen3-MoE shapes beside a copy kernel's GB/s, and
+    /// TFLOP/s of the prefill kernels (token-batched GEMM, prefill attention) at 512 tokens.
     Kernels(KernelArgs),
     /// The server under load: total tok/s and p50/p99 latency at several numbers of clients.
     Serve(crate::cmd::bench_serve::Args),
@@ -35,6 +36,7 @@ pub struct DecodeArgs {
     reps: usize,
     #[arg(long, value_enum, default_value = "auto")]
     backend: Backend,
+    /// Print one JSON object (tok/s medians and spreads, bounds, cache stats, breakdown).
     #[arg(long)]
     json: bool,
     /// GPU only: after the timed runs, time every step of one more decode (and prefill) run with
