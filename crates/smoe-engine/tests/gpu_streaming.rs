@@ -96,3 +96,67 @@ fn gpu_tokens_do_not_depend_on_the_expert_cache() {
         }
     }
 }
+
+/// Faults on the GPU streaming path: an I/O error while filling VRAM slots fails the request
+/// with the layer named, no slot keeps a failed expert, and the same engine then serves the
+/// request correctly (equal to the resident run); a corrupt blob is named by layer and expert.
+#[test]
+fn gpu_streaming_faults_fail_the_request_and_nothing_stays_cached() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    if !have_gpu() {
+        return;
+    }
+    let v = TempVault::new("tiny-tied", DType::Q4);
+    let failing = Arc::new(AtomicBool::new(true));
+    let flag = failing.clone();
+    let fault: smoe_engine::store::FaultHook = Arc::new(move |layer, _expert| {
+        (layer == 1 && flag.load(Ordering::SeqCst))
+            .then(|| std::io::Error::other("injected I/O error"))
+    });
+    let store = StoreOptions {
+        budget: CacheBudget::Fraction(0.25),
+        profile: false,
+        read_threads: 2,
+        fault: Some(fault),
+    };
+    let opts = EngineOptions {
+        backend: Backend::Gpu,
+        store,
+        ..Default::default()
+    };
+    let e = Engine::open(&v.0, opts).expect("open");
+    assert_eq!(e.model.backend(), "gpu");
+    let prompt: Vec<u32> = (10..30).collect();
+    let err = e.logprobs(&prompt).unwrap_err().to_string();
+    assert!(
+        err.contains("of layer 1") && err.contains("injected I/O error"),
+        "{err}"
+    );
+    failing.store(false, Ordering::SeqCst);
+    let got = e.logprobs(&prompt).unwrap().logprobs;
+    let want = open(&v.0, CacheBudget::Resident)
+        .logprobs(&prompt)
+        .unwrap()
+        .logprobs;
+    let worst = got
+        .iter()
+        .zip(&want)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(worst <= 1e-4, "after the fault: max |Δ log-prob| {worst}");
+
+    // A corrupt blob: the checksum names it, with the cache at its smallest.
+    let vault = smoe_vault::Vault::open(&v.0).unwrap();
+    let blob = vault.expert_entry(2, 5).unwrap().offset as usize;
+    drop(vault);
+    let mut bytes = std::fs::read(&v.0).unwrap();
+    bytes[blob + 7] ^= 0x55;
+    std::fs::write(&v.0, &bytes).unwrap();
+    let e = open(&v.0, CacheBudget::Bytes(0));
+    let prompt: Vec<u32> = (0..400).map(|i| (i * 37 % 1000) as u32).collect();
+    let err = e.logprobs(&prompt).unwrap_err().to_string();
+    assert!(
+        err.contains("layer 2 expert 5") && err.contains("checksum"),
+        "{err}"
+    );
+}
