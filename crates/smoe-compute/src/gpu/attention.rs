@@ -152,6 +152,39 @@ pub struct AttnDesc<'a> {
     pub window: Option<usize>,
 }
 
+/// An attention kernel's four bindings, each with the element offset of its first value.
+pub(crate) struct AttnBindings<'a> {
+    pub q: (Binding<'a>, u32),
+    pub out: (Binding<'a>, u32),
+    pub k: (Binding<'a>, u32),
+    pub v: (Binding<'a>, u32),
+}
+
+impl<'a> AttnDesc<'a> {
+    /// Binds q, the output (at a multiple of `out_align` bytes) and the K/V caches, checking
+    /// their sizes.
+    pub(crate) fn bind(
+        &self,
+        ctx: &GpuContext,
+        out_align: u64,
+    ) -> Result<AttnBindings<'a>, GpuError> {
+        let (rows, kvw) = (
+            self.n_tokens * self.n_heads * self.head_dim,
+            self.n_kv_heads * self.head_dim,
+        );
+        Ok(AttnBindings {
+            q: self.q.bind(ctx, "attention q", rows, 16)?,
+            out: self.out.bind(ctx, "attention out", rows, out_align)?,
+            k: self
+                .k_cache
+                .bind(ctx, "attention k cache", self.capacity * kvw, 16)?,
+            v: self
+                .v_cache
+                .bind(ctx, "attention v cache", self.capacity * kvw, 16)?,
+        })
+    }
+}
+
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
 struct DecodeParams {
@@ -225,7 +258,7 @@ impl DecodeAttention {
         a: &AttnDesc,
         scratch: &wgpu::Buffer,
     ) -> Result<Self, GpuError> {
-        let (hd, kvw) = (a.head_dim, a.n_kv_heads * a.head_dim);
+        let hd = a.head_dim;
         if scratch.size() < Self::scratch_bytes(a) {
             return Err(GpuError::Shape(format!(
                 "attention: scratch of {} bytes, needs {}",
@@ -239,17 +272,12 @@ impl DecodeAttention {
                 a.n_heads, a.n_kv_heads
             )));
         }
-        let (qb, q_off) =
-            a.q.bind(ctx, "attention q", a.n_tokens * a.n_heads * hd, 16)?;
-        let (ob, out_off) = a
-            .out
-            .bind(ctx, "attention out", a.n_tokens * a.n_heads * hd, 4)?;
-        let (kb, kc_off) = a
-            .k_cache
-            .bind(ctx, "attention k cache", a.capacity * kvw, 16)?;
-        let (vb, vc_off) = a
-            .v_cache
-            .bind(ctx, "attention v cache", a.capacity * kvw, 16)?;
+        let AttnBindings {
+            q: (qb, q_off),
+            out: (ob, out_off),
+            k: (kb, kc_off),
+            v: (vb, vc_off),
+        } = a.bind(ctx, 4)?;
         let n_split = n_split(a);
         let rows = a.n_tokens * a.n_heads * n_split;
         let part = scratch.clone();

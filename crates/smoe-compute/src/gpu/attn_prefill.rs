@@ -3,7 +3,7 @@
 //! walks 32-key tiles of the cache (staged once for the GQA group) with an online softmax. Same
 //! descriptor and contract as `DecodeAttention` (`AttnDesc`; `pos0` from the step uniform).
 
-use super::attention::AttnDesc;
+use super::attention::{AttnBindings, AttnDesc};
 use super::buffers::Binding;
 use super::context::{GpuContext, GpuError};
 use super::ops::{recordable, Dispatch};
@@ -114,7 +114,7 @@ impl PrefillAttention {
         a: &AttnDesc,
         t: PrefillAttnTuning,
     ) -> Result<Self, GpuError> {
-        let (hd, kvw) = (a.head_dim, a.n_kv_heads * a.head_dim);
+        let hd = a.head_dim;
         if hd == 0
             || hd % 4 != 0
             || hd > PREFILL_MAX_HEAD_DIM
@@ -135,17 +135,13 @@ impl PrefillAttention {
                  memory, device {limit})"
             )));
         }
-        let (qb, q_off) =
-            a.q.bind(ctx, "attention q", a.n_tokens * a.n_heads * hd, 16)?;
-        let (ob, out_off) = a
-            .out
-            .bind(ctx, "attention out", a.n_tokens * a.n_heads * hd, 16)?;
-        let (kb, kc_off) = a
-            .k_cache
-            .bind(ctx, "attention k cache", a.capacity * kvw, 16)?;
-        let (vb, vc_off) = a
-            .v_cache
-            .bind(ctx, "attention v cache", a.capacity * kvw, 16)?;
+        // The output is written as vec4s: 16-byte aligned.
+        let AttnBindings {
+            q: (qb, q_off),
+            out: (ob, out_off),
+            k: (kb, kc_off),
+            v: (vb, vc_off),
+        } = a.bind(ctx, 16)?;
         let n_tiles = (a.n_tokens * (a.n_heads / a.n_kv_heads)).div_ceil(t.rows);
         let p = PrefillParams {
             n_heads: a.n_heads as u32,
