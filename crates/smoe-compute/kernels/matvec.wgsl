@@ -42,7 +42,7 @@ struct Params {
     nw_off: u32,       // NORM: vec4 index of the norm weight
     eps: f32,          // NORM
     rw_off: u32,       // REDUCE: f32 index of slot 0's weight
-    k_red: u32,        // REDUCE: slots per output row
+    _pad: u32,
 }
 
 override DTYPE: u32 = 2u; // 0 bf16, 1 q8, 2 q4, 3 q2; q4 variants: 4 float bits, 5 int8 dot (see chunk)

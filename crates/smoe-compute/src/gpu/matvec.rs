@@ -87,7 +87,7 @@ struct Params {
     nw_off: u32,
     eps: f32,
     rw_off: u32,
-    k_red: u32,
+    _pad: u32,
 }
 
 /// Launch shape and decoding choices; `Default` is what `MatVec::new` uses. Exposed so that
@@ -372,7 +372,7 @@ impl MatVec {
                 nw_off,
                 eps,
                 rw_off,
-                k_red: k_red as u32,
+                _pad: 0,
             };
             let pbuf = ctx.uniform("matvec params", &params);
             let bind = ctx.bind_group(

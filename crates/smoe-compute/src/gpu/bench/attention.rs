@@ -9,7 +9,6 @@ use crate::gpu::attention::{AttnDesc, DecodeAttention};
 use crate::gpu::attn_prefill::{PrefillAttention, PrefillAttnTuning};
 use crate::gpu::buffers::BufRef;
 use crate::gpu::context::{GpuContext, GpuError};
-use crate::gpu::matvec::MatVecTuning;
 use smoe_vault::quant::DType;
 
 /// Deterministic values in [-1, 1): timing does not depend on them, but NaN or denormals might.
@@ -59,22 +58,11 @@ pub(super) fn bench_attention(
     };
     // The cache bytes of the visible context (each kernel reads them at least once).
     let bytes = 8 * (cap * kvw) as u64;
-    let row = |kernel, attn, secs: f64| {
-        let gbps = bytes as f64 / secs / 1e9;
-        BenchRow {
-            shape: shape.name.clone(),
-            dtype: DType::F32,
-            tuning: MatVecTuning::default(),
-            bytes,
-            micros: secs * 1e6,
-            gbps,
-            ratio: gbps / copy_gbps,
-            tokens: nt,
-            kernel,
-            gemm: None,
-            attn,
-            gflops: shape.flops() as f64 / secs / 1e9,
-        }
+    let row = |kernel, attn, secs: f64| BenchRow {
+        tokens: nt,
+        attn,
+        gflops: shape.flops() as f64 / secs / 1e9,
+        ..BenchRow::measured(shape, DType::F32, kernel, bytes, secs, copy_gbps)
     };
     let (mut rows, mut errors) = (vec![], vec![]);
     let time = |rec: &dyn Fn(&mut wgpu::ComputePass<'_>)| {

@@ -217,6 +217,35 @@ pub struct BenchRow {
     pub gflops: f64,
 }
 
+impl BenchRow {
+    /// A row for `bytes` read per call in `secs` per call, against the copy's GB/s; the prefill
+    /// fields (`tokens`, `gemm`, `attn`, `gflops`) empty, for the caller to fill.
+    fn measured(
+        shape: &BenchShape,
+        dtype: DType,
+        kernel: &'static str,
+        bytes: u64,
+        secs: f64,
+        copy_gbps: f64,
+    ) -> Self {
+        let gbps = bytes as f64 / secs / 1e9;
+        BenchRow {
+            shape: shape.name.clone(),
+            dtype,
+            tuning: MatVecTuning::default(),
+            bytes,
+            micros: secs * 1e6,
+            gbps,
+            ratio: gbps / copy_gbps,
+            tokens: 0,
+            kernel,
+            gemm: None,
+            attn: None,
+            gflops: 0.0,
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct BenchReport {
     pub device: String,
@@ -396,20 +425,9 @@ pub fn bench_kernels(
                             continue;
                         }
                     };
-                let gbps = bytes as f64 / secs / 1e9;
                 rows.push(BenchRow {
-                    shape: shape.name.clone(),
-                    dtype,
                     tuning,
-                    bytes,
-                    micros: secs * 1e6,
-                    gbps,
-                    ratio: gbps / copy_gbps,
-                    tokens: 0,
-                    kernel: "matvec",
-                    gemm: None,
-                    attn: None,
-                    gflops: 0.0,
+                    ..BenchRow::measured(shape, dtype, "matvec", bytes, secs, copy_gbps)
                 });
             }
         }
@@ -454,25 +472,17 @@ fn run_prefill(
 ) -> Result<BenchRow, String> {
     let (bytes, secs, gemm) = bench_prefill(ctx, timer, shape, dtype, kernel, host, iters)
         .map_err(|e| format!("{} {dtype} {kernel:?}: {e}", shape.name))?;
-    let gbps = bytes as f64 / secs / 1e9;
     let (name, tuning, flops) = match kernel {
         Kernel::MatVec(t) => ("matvec", t, shape.flops()),
         Kernel::MatMul(_) => ("matmul", MatVecTuning::default(), shape.flops()),
         Kernel::Sort => ("expert_sort", MatVecTuning::default(), 0),
     };
     Ok(BenchRow {
-        shape: shape.name.clone(),
-        dtype,
         tuning,
-        bytes,
-        micros: secs * 1e6,
-        gbps,
-        ratio: gbps / copy_gbps,
         tokens: shape.tokens,
-        kernel: name,
         gemm,
-        attn: None,
         gflops: flops as f64 / secs / 1e9,
+        ..BenchRow::measured(shape, dtype, name, bytes, secs, copy_gbps)
     })
 }
 
