@@ -17,6 +17,35 @@ fn upload_at(ctx: &GpuContext, bytes: &[u8], pad: usize) -> smoe_compute::gpu::w
     ctx.upload("weights", &all)
 }
 
+/// `n_mats` random matrices ("experts", seeds `seed + m`) quantized, and one buffer holding
+/// them at a blob stride of their size plus `pad` bytes (rounded to 16): (matrices, blob, stride).
+fn expert_stack(
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    n_mats: usize,
+    pad: usize,
+    seed: u64,
+) -> (Vec<Vec<u8>>, Vec<u8>, usize) {
+    let size = dtype.row_stride(cols) * rows;
+    let stride = (size + pad).next_multiple_of(16);
+    let mats: Vec<Vec<u8>> = (0..n_mats)
+        .map(|m| {
+            quantize_matrix(
+                dtype,
+                &rand_vec(rows * cols, seed + m as u64, 1.0),
+                rows,
+                cols,
+            )
+        })
+        .collect();
+    let mut blob = vec![0u8; stride * n_mats];
+    for (m, q) in mats.iter().enumerate() {
+        blob[m * stride..m * stride + size].copy_from_slice(q);
+    }
+    (mats, blob, stride)
+}
+
 fn run_one(ctx: &GpuContext, dtype: DType, rows: usize, cols: usize, nt: usize, seed: u64) {
     run_tuned(ctx, dtype, rows, cols, nt, seed, MatVecTuning::default());
 }
@@ -180,22 +209,8 @@ fn matvec_grouped_picks_matrices_by_id() {
     let Some(ctx) = gpu() else { return };
     for (i, dtype) in DTYPES.into_iter().enumerate() {
         let (rows, cols, n_mats) = (40usize, 192usize, 6usize);
-        let size = dtype.row_stride(cols) * rows;
-        let stride = (size + 300).next_multiple_of(16);
-        let mats: Vec<Vec<u8>> = (0..n_mats)
-            .map(|m| {
-                quantize_matrix(
-                    dtype,
-                    &rand_vec(rows * cols, 300 + 10 * i as u64 + m as u64, 1.0),
-                    rows,
-                    cols,
-                )
-            })
-            .collect();
-        let mut blob = vec![0u8; stride * n_mats];
-        for (m, q) in mats.iter().enumerate() {
-            blob[m * stride..m * stride + size].copy_from_slice(q);
-        }
+        let seed = 300 + 10 * i as u64;
+        let (mats, blob, stride) = expert_stack(dtype, rows, cols, n_mats, 300, seed);
         let ids: Vec<u32> = vec![4, 1, 4, 0];
         // (x_per_slot, slots_per_x): one x; one per slot; one per pair of slots (two tokens'
         // two experts each).
@@ -426,22 +441,7 @@ fn matvec_fused_norm_accumulate_reduce() {
             ),
         ];
         for (rows, cols, n_mats, k, ids) in configs {
-            let size = dtype.row_stride(cols) * rows;
-            let stride = (size + 100).next_multiple_of(16);
-            let mats: Vec<Vec<u8>> = (0..n_mats)
-                .map(|m| {
-                    quantize_matrix(
-                        dtype,
-                        &rand_vec(rows * cols, 800 + m as u64, 1.0),
-                        rows,
-                        cols,
-                    )
-                })
-                .collect();
-            let mut blob = vec![0u8; stride * n_mats];
-            for (m, q) in mats.iter().enumerate() {
-                blob[m * stride..m * stride + size].copy_from_slice(q);
-            }
+            let (mats, blob, stride) = expert_stack(dtype, rows, cols, n_mats, 100, 800);
             let wts = rand_vec(ids.len(), 810 + i as u64, 1.0);
             let x = rand_vec(ids.len() * cols, 820 + i as u64, 1.0);
             let n_tok = ids.len() / k;
