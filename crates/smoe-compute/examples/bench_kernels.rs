@@ -103,7 +103,7 @@ fn main() {
             (256, 64),
         ] {
             for q4 in [Q4Decode::FloatBits, Q4Decode::Int8Dot] {
-                tunings.push(MatVecTuning { wg, rows, q4 });
+                tunings.push(MatVecTuning { wg, rows, q4, items: 0 });
             }
         }
         let sweep: Vec<BenchShape> = shapes

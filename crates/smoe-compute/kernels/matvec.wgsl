@@ -4,10 +4,14 @@
 // (GROUPED) matrix ids[s] of a stack of equal-shaped matrices: all routed experts of a layer in
 // one dispatch. GATED computes silu(G·x) · (U·x) from two matrices in one pass over x.
 //
-// Work split: a workgroup owns ROWS consecutive rows; subgroup sg takes rows sg, sg + nsg, ...
-// (row choice is uniform within a subgroup, so any subgroup size works); lane l of a row reads
-// 16-byte chunks l, l + S, l + 2S, ... The inputs are staged in workgroup memory TILE columns at a
-// time, so any width fits. Dequantization is an epilogue per chunk: integer codes are dotted with
+// Work split: a workgroup owns ROWS consecutive rows, i.e. a list of items — a row (GATED: its
+// gate row and its up row), or under REDUCE a (row, slot) pair. Subgroup sg takes items
+// sg·U .. sg·U + U − 1, then nsg·U further on, ... (uniform within a subgroup, so any subgroup
+// size works); lane l of an item reads 16-byte chunks l, l + ss, l + 2·ss, ... (ss: the subgroup
+// size). A lane first loads S chunks of each of its U items — U·S loads in flight — and only then
+// multiplies: decode products are small, and a loop that waited for each item's loads in turn
+// was bound by memory latency (the 30B down × 8 experts: 16 items per subgroup, 16 round trips
+// to HBM). The inputs are staged in workgroup memory TILE columns at a time, so any width fits. Dequantization is an epilogue per chunk: integer codes are dotted with
 // x, then scaled by the group's d (q2: plus m·Σx). Storage layout: smoe_vault::quant.
 //
 // Fusions (override constants, so an unfused dispatch pays nothing): NORM stages RMSNorm(x)·nw
@@ -67,6 +71,13 @@ override XS_SUM_LEN: u32 = select(1u, NT * 2u * NCH, DTYPE >= 4u);
 override XQ_LEN: u32 = select(1u, XS_LEN, DTYPE == 5u);
 override XD_LEN: u32 = select(1u, NT * NG, DTYPE == 5u);
 const NT_MAX: u32 = 8u;
+// Items per subgroup batch and chunks per lane and item loaded before use (the host picks them
+// from the shape and the subgroup size; U·S ≤ LD).
+override U: u32 = 1u;
+override S: u32 = 2u;
+const LD: u32 = 8u;
+// An item past the rows.
+const NONE: u32 = 0xffffffffu;
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> w: array<vec4<u32>>;
@@ -125,34 +136,45 @@ fn nib(q: u32, left: vec4<u32>, right: vec4<u32>) -> vec4<f32> {
     return bitcast<vec4<f32>>(v | vec4<u32>(0x3f800000u));
 }
 
-// Adds chunk c (row-relative; k within the tile), whose 16 bytes are q, of the row at vec4 index
-// rb to acc.
-// Only tokens ta..tb take part (all NT, or one slot under REDUCE); token t adds to acc[t − ta].
-fn chunk(q: vec4<u32>, rb: u32, c: u32, k: u32, ta: u32, tb: u32, acc: ptr<function, array<f32, NT_MAX>>) {
+// The u32 holding the f16 group parameters of chunk c (row-relative) of the row at vec4 rb.
+fn pword(rb: u32, c: u32) -> u32 {
+    switch DTYPE {
+        case 0u: { return 0u; }
+        // q8: 32-input groups (4 chunks), two f16 scales per word.
+        case 1u: { return word(rb, p.param_word + c / 8u); }
+        // q2: a chunk is a group, (d, m) in one word.
+        case 3u: { return word(rb, p.param_word + c); }
+        // q4: 64-input groups (2 chunks), two scales per word.
+        default: { return word(rb, p.param_word + c / 4u); }
+    }
+}
+
+// Adds chunk c (row-relative; k within the tile), whose 16 bytes are q and whose parameter word
+// (`pword`) is pw, to item u's sums in acc. Only tokens ta..tb take part (all NT, or one slot
+// under REDUCE); token t adds to acc[u][t − ta].
+fn chunk(q: vec4<u32>, pw: u32, c: u32, k: u32, ta: u32, tb: u32, acc: ptr<function, array<array<f32, NT_MAX>, LD>>, u: u32) {
     switch DTYPE {
         case 0u: {
             // bf16 → f32 is a 16-bit shift.
             let a = bitcast<vec4<f32>>(vec4<u32>(q.x << 16u, q.x & 0xffff0000u, q.y << 16u, q.y & 0xffff0000u));
             let b = bitcast<vec4<f32>>(vec4<u32>(q.z << 16u, q.z & 0xffff0000u, q.w << 16u, q.w & 0xffff0000u));
             for (var t = ta; t < tb; t++) {
-                (*acc)[t - ta] += dot(a, xv(t, 0u, k)) + dot(b, xv(t, 1u, k));
+                (*acc)[u][t - ta] += dot(a, xv(t, 0u, k)) + dot(b, xv(t, 1u, k));
             }
         }
         case 1u: {
-            let g = c / 4u;
-            let d = unpack2x16float(word(rb, p.param_word + g / 2u))[g % 2u];
+            let d = unpack2x16float(pw)[(c / 4u) % 2u];
             let a0 = vec4<f32>(unpack4xI8(q.x));
             let a1 = vec4<f32>(unpack4xI8(q.y));
             let a2 = vec4<f32>(unpack4xI8(q.z));
             let a3 = vec4<f32>(unpack4xI8(q.w));
             for (var t = ta; t < tb; t++) {
                 let s = dot(a0, xv(t, 0u, k)) + dot(a1, xv(t, 1u, k)) + dot(a2, xv(t, 2u, k)) + dot(a3, xv(t, 3u, k));
-                (*acc)[t - ta] += d * s;
+                (*acc)[u][t - ta] += d * s;
             }
         }
         case 2u: {
-            let g = c / 2u;
-            let d = unpack2x16float(word(rb, p.param_word + g / 2u))[g % 2u];
+            let d = unpack2x16float(pw)[(c / 2u) % 2u];
             let lo = q & vec4<u32>(0x0f0f0f0fu);
             let hi = (q >> vec4<u32>(4u)) & vec4<u32>(0x0f0f0f0fu);
             let l0 = f4(unpack4xU8(lo.x));
@@ -175,13 +197,12 @@ fn chunk(q: vec4<u32>, rb: u32, c: u32, k: u32, ta: u32, tb: u32, acc: ptr<funct
                 let s = dot(l0, x0) + dot(l1, x1) + dot(l2, x2) + dot(l3, x3)
                     + dot(h0, x4) + dot(h1, x5) + dot(h2, x6) + dot(h3, x7);
                 let sx = dot(x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7, vec4<f32>(1.0));
-                (*acc)[t - ta] += d * (s - 8.0 * sx);
+                (*acc)[u][t - ta] += d * (s - 8.0 * sx);
             }
         }
         case 4u: {
             // As case 2, with v = 1 + c/16: Σ(c − 8)·x = 16·Σv·x − 24·Σx, Σx from xsum.
-            let g = c / 2u;
-            let d = unpack2x16float(word(rb, p.param_word + g / 2u))[g % 2u];
+            let d = unpack2x16float(pw)[(c / 2u) % 2u];
             // Low nibble of byte b (bits 8b..8b+3) and high nibble (8b+4..8b+7) to bits 19..22.
             let ll = vec4<u32>(19u, 11u, 3u, 0u);
             let lr = vec4<u32>(0u, 0u, 0u, 5u);
@@ -199,14 +220,13 @@ fn chunk(q: vec4<u32>, rb: u32, c: u32, k: u32, ta: u32, tb: u32, acc: ptr<funct
                 let s = dot(l0, xv(t, 0u, k)) + dot(l1, xv(t, 1u, k)) + dot(l2, xv(t, 2u, k)) + dot(l3, xv(t, 3u, k))
                     + dot(h0, xv(t, 4u, k)) + dot(h1, xv(t, 5u, k)) + dot(h2, xv(t, 6u, k)) + dot(h3, xv(t, 7u, k));
                 let sx = xsum[2u * t * NCH + k] + xsum[(2u * t + 1u) * NCH + k];
-                (*acc)[t - ta] += d * (16.0 * s - 24.0 * sx);
+                (*acc)[u][t - ta] += d * (16.0 * s - 24.0 * sx);
             }
         }
         case 5u: {
             // As case 2 on int8-quantized inputs: four products per dot4I8Packed (DP4A), then
             // d·dx·(Σc·xq − 8·Σxq). Opt-in: quantizing x costs accuracy (NMSE ~1e-5).
-            let g = c / 2u;
-            let d = unpack2x16float(word(rb, p.param_word + g / 2u))[g % 2u];
+            let d = unpack2x16float(pw)[(c / 2u) % 2u];
             let lo = q & vec4<u32>(0x0f0f0f0fu);
             let hi = (q >> vec4<u32>(4u)) & vec4<u32>(0x0f0f0f0fu);
             for (var t = ta; t < tb; t++) {
@@ -215,13 +235,13 @@ fn chunk(q: vec4<u32>, rb: u32, c: u32, k: u32, ta: u32, tb: u32, acc: ptr<funct
                     + dot4I8Packed(hi.x, xqv(t, 4u, k)) + dot4I8Packed(hi.y, xqv(t, 5u, k))
                     + dot4I8Packed(hi.z, xqv(t, 6u, k)) + dot4I8Packed(hi.w, xqv(t, 7u, k));
                 let sq = xsum[2u * t * NCH + k] + xsum[(2u * t + 1u) * NCH + k];
-                (*acc)[t - ta] += d * xd[t * NG + k / 2u] * (f32(s) - 8.0 * sq);
+                (*acc)[u][t - ta] += d * xd[t * NG + k / 2u] * (f32(s) - 8.0 * sq);
             }
         }
         default: {
             // q2: the chunk is the whole group; bits 2i..2i+2 of byte j hold input 16i + j, so
             // vec4 4i + j' of the chunk's inputs pairs with word j' shifted by 2i.
-            let dm = unpack2x16float(word(rb, p.param_word + c));
+            let dm = unpack2x16float(pw);
             var cw: array<vec4<f32>, 16>;
             for (var i = 0u; i < 4u; i++) {
                 let b = (q >> vec4<u32>(2u * i)) & vec4<u32>(0x03030303u);
@@ -238,7 +258,7 @@ fn chunk(q: vec4<u32>, rb: u32, c: u32, k: u32, ta: u32, tb: u32, acc: ptr<funct
                     s += dot(cw[i], xi);
                     sx += xi;
                 }
-                (*acc)[t - ta] += dm.x * s + dm.y * dot(sx, vec4<f32>(1.0));
+                (*acc)[u][t - ta] += dm.x * s + dm.y * dot(sx, vec4<f32>(1.0));
             }
         }
     }
@@ -327,19 +347,78 @@ fn rms(li: u32, sg: u32, nsg: u32, lane: u32, xbase: u32, nt: u32) {
     workgroupBarrier();
 }
 
-// The dot products of `rows`' row `row` (at vec4 rb, row-relative chunks) with the staged
-// inputs of tokens ta..tb, added to acc.
-fn row_dot(rb: u32, cfirst: u32, nchunks: u32, lane: u32, ss: u32, ta: u32, tb: u32, acc: ptr<function, array<f32, NT_MAX>>) {
-    // Two chunks per step, both loaded before either is used: more bytes in flight.
-    var k = lane;
-    for (; k + ss < nchunks; k += 2u * ss) {
-        let qa = w[rb + cfirst + k];
-        let qb = w[rb + cfirst + k + ss];
-        chunk(qa, rb, cfirst + k, k, ta, tb, acc);
-        chunk(qb, rb, cfirst + k + ss, k + ss, ta, tb, acc);
+// Item i of the workgroup's list: the vec4 index of its weight row, or NONE past the rows.
+fn item_row(i: u32, row0: u32, wbase: u32, oslot: u32) -> u32 {
+    if REDUCE {
+        let row = row0 + i % ROWS;
+        if i >= ROWS * NT || row >= p.rows {
+            return NONE;
+        }
+        let slot = oslot * NT + i / ROWS;
+        return p.w_off + ids[p.ids_off + slot] * p.w_mat_stride + row * p.row_stride;
     }
-    if k < nchunks {
-        chunk(w[rb + cfirst + k], rb, cfirst + k, k, ta, tb, acc);
+    let g = select(1u, 2u, GATED);
+    let row = row0 + i / g;
+    if i >= ROWS * g || row >= p.rows {
+        return NONE;
+    }
+    return wbase + row * p.row_stride + (i % g) * p.w_up_off;
+}
+
+// The U items from i0 on, over the tile's chunks: each lane loads S chunks (codes and their
+// parameter words) of every item, then multiplies them, until the tile's chunks are done (one
+// round when S·ss covers them); the subgroup's sums are added to `part`.
+fn items(i0: u32, row0: u32, wbase: u32, oslot: u32, cfirst: u32, nchunks: u32, lane: u32, ss: u32) {
+    var rbs: array<u32, LD>;
+    var acc: array<array<f32, NT_MAX>, LD>;
+    for (var u = 0u; u < U; u++) {
+        rbs[u] = item_row(i0 + u, row0, wbase, oslot);
+    }
+    for (var cb = 0u; cb < nchunks; cb += S * ss) {
+        var q: array<vec4<u32>, LD>;
+        var pw: array<u32, LD>;
+        for (var u = 0u; u < U; u++) {
+            for (var s = 0u; s < S; s++) {
+                let k = cb + lane + s * ss;
+                if rbs[u] != NONE && k < nchunks {
+                    q[u * S + s] = w[rbs[u] + cfirst + k];
+                    pw[u * S + s] = pword(rbs[u], cfirst + k);
+                }
+            }
+        }
+        for (var u = 0u; u < U; u++) {
+            // REDUCE: the item's slot is its one "token".
+            var ta = 0u;
+            var tb = NT;
+            if REDUCE {
+                ta = (i0 + u) / ROWS;
+                tb = ta + 1u;
+            }
+            for (var s = 0u; s < S; s++) {
+                let k = cb + lane + s * ss;
+                if rbs[u] != NONE && k < nchunks {
+                    chunk(q[u * S + s], pw[u * S + s], cfirst + k, k, ta, tb, &acc, u);
+                }
+            }
+        }
+    }
+    for (var u = 0u; u < U; u++) {
+        let i = i0 + u;
+        if REDUCE {
+            let s = subgroupAdd(acc[u][0]);
+            if lane == 0u && rbs[u] != NONE {
+                let t = i / ROWS;
+                part[2u * ((i % ROWS) * NT + t)] += rw[p.rw_off + oslot * NT + t] * s;
+            }
+        } else {
+            let g = select(1u, 2u, GATED);
+            for (var t = 0u; t < NT; t++) {
+                let s = subgroupAdd(acc[u][t]);
+                if lane == 0u && rbs[u] != NONE {
+                    part[2u * ((i / g) * NT + t) + i % g] += s;
+                }
+            }
+        }
     }
 }
 
@@ -381,48 +460,9 @@ fn main(
         stage(li, xbase, c0, tc, nt);
         let nchunks = tc / cv;
         let cfirst = c0 / cv;
-        if REDUCE {
-            // Work items (row, slot), each its own expert's row, spread over the subgroups.
-            for (var it = sg; it < ROWS * NT; it += nsg) {
-                let r = it % ROWS;
-                let t = it / ROWS;
-                let row = row0 + r;
-                if row < p.rows {
-                    let slot = oslot * NT + t;
-                    let rb = p.w_off + ids[p.ids_off + slot] * p.w_mat_stride + row * p.row_stride;
-                    var acc: array<f32, NT_MAX>;
-                    row_dot(rb, cfirst, nchunks, lane, ss, t, t + 1u, &acc);
-                    let s = subgroupAdd(acc[0]);
-                    if lane == 0u {
-                        part[2u * (r * NT + t)] += rw[p.rw_off + slot] * s;
-                    }
-                }
-            }
-            continue;
-        }
-        for (var r = sg; r < ROWS; r += nsg) {
-            let row = row0 + r;
-            if row < p.rows {
-                var acc: array<f32, NT_MAX>;
-                var acc_up: array<f32, NT_MAX>;
-                let rb = wbase + row * p.row_stride;
-                row_dot(rb, cfirst, nchunks, lane, ss, 0u, NT, &acc);
-                if GATED {
-                    row_dot(rb + p.w_up_off, cfirst, nchunks, lane, ss, 0u, NT, &acc_up);
-                }
-                for (var t = 0u; t < NT; t++) {
-                    let s = subgroupAdd(acc[t]);
-                    var su = 0.0;
-                    if GATED {
-                        su = subgroupAdd(acc_up[t]);
-                    }
-                    if lane == 0u {
-                        let i = 2u * (r * NT + t);
-                        part[i] += s;
-                        part[i + 1u] += su;
-                    }
-                }
-            }
+        let n_items = select(ROWS * select(1u, 2u, GATED), ROWS * NT, REDUCE);
+        for (var i0 = sg * U; i0 < n_items; i0 += nsg * U) {
+            items(i0, row0, wbase, oslot, cfirst, nchunks, lane, ss);
         }
     }
     workgroupBarrier();

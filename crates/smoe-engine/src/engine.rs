@@ -287,6 +287,20 @@ impl<'e> Session<'e> {
         Ok(id)
     }
 
+    /// Greedy decoding after `first` (just chosen, not yet fed): see `Model::decode_greedy`.
+    /// On a resident GPU model the device feeds its own choices back, a pass ahead of the host.
+    pub fn decode_greedy(
+        &mut self,
+        first: u32,
+        max_tokens: usize,
+        on_token: &mut dyn FnMut(u32) -> Result<bool, EngineError>,
+    ) -> Result<(), EngineError> {
+        let model = &self.engine.model;
+        let fed = model.decode_greedy(&mut self.kv, first, max_tokens, on_token, &mut self.scratch)?;
+        self.tokens.extend(fed);
+        Ok(())
+    }
+
     /// The next token's logits, or (plain greedy decoding) only its id.
     fn next(&mut self, tokens: &[u32], greedy: bool) -> Result<Next, EngineError> {
         Ok(if greedy {
@@ -330,15 +344,13 @@ impl<'e> Session<'e> {
         let t1 = Instant::now();
         let mut generated = vec![];
         let mut finish = FinishReason::Length;
-        while generated.len() < opts.max_tokens {
-            let id = match &mut next {
-                Next::Id(id) => *id,
-                Next::Logits(logits) => sampler.sample(logits, &self.tokens),
-            };
+        // Takes a chosen id; false when generation ends with it.
+        let max_tokens = opts.max_tokens;
+        let mut accept = |id: u32| -> Result<bool, EngineError> {
             generated.push(id);
             if opts.stop_ids.contains(&id) {
                 finish = FinishReason::Stop;
-                break;
+                return Ok(false);
             }
             if let (Some(d), Some(t)) = (decoder.as_mut(), text.as_mut()) {
                 if let Some(delta) = d.step(id)? {
@@ -347,14 +359,32 @@ impl<'e> Session<'e> {
                     on_text(&out.text);
                     if out.stopped.is_some() {
                         finish = FinishReason::Stop;
-                        break;
+                        return Ok(false);
                     }
                 }
             }
-            if generated.len() == opts.max_tokens || self.kv.check_room(1).is_err() {
-                break;
+            Ok(generated.len() < max_tokens)
+        };
+        if max_tokens > 0 {
+            let first = match &mut next {
+                Next::Id(id) => *id,
+                Next::Logits(logits) => sampler.sample(logits, &self.tokens),
+            };
+            if accept(first)? {
+                let left = max_tokens - 1;
+                if greedy {
+                    self.decode_greedy(first, left, &mut accept)?;
+                } else {
+                    let mut id = first;
+                    while self.kv.check_room(1).is_ok() {
+                        let mut logits = self.feed(&[id], Logits::Last)?;
+                        id = sampler.sample(&mut logits, &self.tokens);
+                        if !accept(id)? {
+                            break;
+                        }
+                    }
+                }
             }
-            next = self.next(&[id], greedy)?;
         }
         if let (Some(d), Some(t)) = (decoder.as_mut(), text.as_mut()) {
             if finish != FinishReason::Stop || stops.stopped().is_none() {

@@ -159,3 +159,60 @@ fn decode_logits_match_cpu() {
         }
     }
 }
+
+/// Greedy chains (the GPU feeds its own argmax to the next pass, queued before the host reads
+/// it) against one pass and one read per token: the same ids, an early stop leaves the session
+/// where it should be (continuing gives the same tokens), and a full cache ends the chain.
+#[test]
+fn greedy_chain_matches_token_by_token() {
+    if !have_gpu() {
+        return;
+    }
+    for name in smoe_fixtures::names() {
+        for dtype in [DType::Bf16, DType::Q4] {
+            let v = TempVault::new(&name, dtype);
+            let gpu = v.open(Backend::Gpu);
+            assert!(gpu.model.chains_greedy(), "{name}: resident GPU models chain");
+            let prompt = &smoe_fixtures::reference(&name).prompts[0].prompt;
+            let n = 12;
+            // Reference: one forward_greedy and one wait per token.
+            let mut r = gpu.session(prompt.len() + n + 1);
+            let mut want = vec![r.feed_greedy(prompt).unwrap()];
+            for _ in 1..n {
+                let last = *want.last().unwrap();
+                want.push(r.feed_greedy(&[last]).unwrap());
+            }
+            // Chained, stopping after 4 ids, then going on.
+            let mut s = gpu.session(prompt.len() + n + 1);
+            let first = s.feed_greedy(prompt).unwrap();
+            let mut got = vec![first];
+            s.decode_greedy(first, n, &mut |id| {
+                got.push(id);
+                Ok(got.len() < 5)
+            })
+            .unwrap();
+            assert_eq!(got.len(), 5);
+            assert_eq!(s.tokens.len(), prompt.len() + 4, "{name}: fed after a stop");
+            assert_eq!(s.kv.len, s.tokens.len());
+            let last = *got.last().unwrap();
+            s.decode_greedy(last, n - 5, &mut |id| {
+                got.push(id);
+                Ok(true)
+            })
+            .unwrap();
+            assert_eq!(got, want, "{name} {dtype}: chained vs token by token");
+            assert_eq!(s.tokens.len(), prompt.len() + n - 1);
+            // A cache with room for 3 more positions: 3 more ids, then the chain ends.
+            let mut c = gpu.session(prompt.len() + 3);
+            let first = c.feed_greedy(prompt).unwrap();
+            let mut short = vec![first];
+            c.decode_greedy(first, 100, &mut |id| {
+                short.push(id);
+                Ok(true)
+            })
+            .unwrap();
+            assert_eq!(short, want[..4], "{name} {dtype}: chain in a small cache");
+            assert_eq!(c.kv.len, prompt.len() + 3);
+        }
+    }
+}

@@ -69,6 +69,11 @@ fn gpu_tokens_do_not_depend_on_the_expert_cache() {
             assert!(worst <= 1e-4, "{name} {budget:?}: max |Δ log-prob| {worst}");
             let st = e.model.experts().stats().unwrap();
             assert!(st.total.misses > 0, "{name} {budget:?}: no reads");
+            if budget != CacheBudget::Fraction(1.0) {
+                // The lookahead (next MoE layer's router on this layer's input) started reads.
+                let ahead = st.total.prefetched + st.total.prefetch_wasted;
+                assert!(ahead > 0, "{name} {budget:?}: no lookahead reads");
+            }
             let Model::Gpu(g) = &e.model else {
                 unreachable!()
             };

@@ -46,6 +46,7 @@ const KERNELS: &[(&str, &str, bool)] = &[
     ),
     ("argmax", include_str!("../../kernels/argmax.wgsl"), true),
     ("copy", include_str!("../../kernels/copy.wgsl"), false),
+    ("embed", include_str!("../../kernels/embed.wgsl"), false),
     ("eltwise", include_str!("../../kernels/eltwise.wgsl"), false),
 ];
 

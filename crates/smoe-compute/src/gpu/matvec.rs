@@ -100,6 +100,9 @@ pub struct MatVecTuning {
     pub rows: u32,
     /// How q4 codes are turned into products.
     pub q4: Q4Decode,
+    /// Items (rows, gate/up rows, or under a reduce (row, slot) pairs) a subgroup loads at once
+    /// before multiplying; 0: chosen from the shape (`batch_loads`).
+    pub items: u32,
 }
 
 /// q4 decoding strategies (see `kernels/matvec.wgsl`).
@@ -120,6 +123,7 @@ impl Default for MatVecTuning {
             wg: 256,
             rows: 16,
             q4: Q4Decode::FloatBits,
+            items: 0,
         }
     }
 }
@@ -156,6 +160,46 @@ impl MatVecTuning {
         }
     }
 }
+/// Loads each lane of the kernel keeps in flight before multiplying (its `LD`).
+const LOADS_IN_FLIGHT: usize = 8;
+
+/// The kernel's `U` (items a subgroup loads together) and `S` (chunks per lane and item per
+/// round): S rounds of 16-byte chunks cover a tile's row when the subgroup has `ss` lanes (at most
+/// `LOADS_IN_FLIGHT`; more rounds run otherwise), and U items fill the rest of the loads in
+/// flight, no more than a subgroup has (`tune.items` if set). `ss` is the adapter's largest
+/// subgroup size: with a smaller one the kernel just runs more rounds.
+///
+/// q4 keeps one item at a time: its decoding is ALU-bound, and on an H200 (`smoe bench kernels`,
+/// 2026-12-01) four items at once made the 30B LM head 14 % slower and the grouped gate_up 37 %
+/// slower, while bf16 and q8 gained (30B down × 8: bf16 23.0 → 16.3 µs, q8 27.4 → 16.1).
+fn batch_loads(
+    dtype: DType,
+    tile: usize,
+    tune: MatVecTuning,
+    nt: usize,
+    gated: bool,
+    reduce: bool,
+    ss: usize,
+) -> (usize, usize) {
+    // Inputs per 16-byte chunk of codes.
+    let per_chunk = match dtype {
+        DType::Bf16 => 8,
+        DType::Q8 => 16,
+        DType::Q4 => 32,
+        _ => 64,
+    };
+    let steps = (tile / per_chunk).div_ceil(ss).clamp(1, LOADS_IN_FLIGHT);
+    let items = tune.rows as usize * if reduce { nt } else if gated { 2 } else { 1 };
+    let subgroups = (tune.wg as usize / ss).max(1);
+    let auto = match dtype {
+        DType::Q4 => 1,
+        _ => LOADS_IN_FLIGHT / steps,
+    };
+    let want = if tune.items > 0 { tune.items as usize } else { auto };
+    let u = want.min(LOADS_IN_FLIGHT / steps).min(items.div_ceil(subgroups)).max(1);
+    (u, steps)
+}
+
 /// Tokens one workgroup multiplies at once (more are spread over dispatch z).
 pub const NT_MAX: usize = 8;
 /// Staged inputs per workgroup: 16 KiB, WebGPU's default workgroup memory.
@@ -273,6 +317,9 @@ impl MatVec {
             _ => STAGE_FLOATS,
         };
         let tile = (stage / nt / 64 * 64).min(w.cols.next_multiple_of(64));
+        let ss = ctx.info().adapter.subgroup_max_size.max(1) as usize;
+        let gated = d.up_offset.is_some();
+        let (items_u, steps) = batch_loads(w.dtype, tile, tune, nt, gated, f.reduce.is_some(), ss);
         let pipeline = ctx.pipeline(
             "matvec",
             &[
@@ -286,6 +333,8 @@ impl MatVec {
                 ("NORM", f.norm.is_some() as u8 as f64),
                 ("ACCUM", f.accumulate as u8 as f64),
                 ("REDUCE", f.reduce.is_some() as u8 as f64),
+                ("U", items_u as f64),
+                ("S", steps as f64),
             ],
         )?;
         let (n_slots, n_mats, mat_stride, x_per_slot, x_div) = match d.grouped {

@@ -139,13 +139,20 @@ fn matvec_wide_rows_and_many_tokens() {
 fn matvec_tunings_and_q4_decoders_agree() {
     // Other launch shapes (subgroups sharing rows differently) and the plain q4 decoder.
     let Some(ctx) = gpu() else { return };
-    for (wg, rows, q4) in [
-        (64, 8, Q4Decode::FloatBits),
-        (256, 32, Q4Decode::FloatBits),
-        (128, 16, Q4Decode::IntToFloat),
-        (256, 64, Q4Decode::IntToFloat),
+    // `items`: rows a subgroup loads together (0: the default for the type).
+    for (wg, rows, q4, items) in [
+        (64, 8, Q4Decode::FloatBits, 2),
+        (256, 32, Q4Decode::FloatBits, 0),
+        (128, 16, Q4Decode::IntToFloat, 4),
+        (256, 64, Q4Decode::IntToFloat, 8),
+        (256, 16, Q4Decode::FloatBits, 3),
     ] {
-        let tune = MatVecTuning { wg, rows, q4 };
+        let tune = MatVecTuning {
+            wg,
+            rows,
+            q4,
+            items,
+        };
         for dtype in DTYPES {
             for (r, c, nt) in [(1, 64, 1), (33, 320, 3), (1000, 2048, 1), (70, 4160, 2)] {
                 run_tuned(ctx, dtype, r, c, nt, 500 + r as u64 + wg as u64, tune);

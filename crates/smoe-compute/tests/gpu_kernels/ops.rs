@@ -142,7 +142,13 @@ fn router_matches_route_softmax_topk() {
         (8, 2, 1, true),
         (257, 1, 1, false),
     ] {
-        let logits = rand_vec(n_exp * nt, n_exp as u64 + k as u64, 4.0);
+        let mut logits = rand_vec(n_exp * nt, n_exp as u64 + k as u64, 4.0);
+        if nt > 1 {
+            // Token 1: only five distinct logits, so ties decide (lower index first).
+            for (i, v) in logits[n_exp..2 * n_exp].iter_mut().enumerate() {
+                *v = ((i * 7) % 5) as f32;
+            }
+        }
         let lb = ctx.upload_f32("logits", &logits);
         let ib = ctx.upload("ids", &vec![0xFFu8; 4 * k * nt]);
         let wb = nan_buffer(ctx, "weights", k * nt);
@@ -222,5 +228,51 @@ fn eltwise_matches_cpu() {
             assert_eq!(&got[..off], &y0[..off], "{name}: wrote before its range");
             assert_close(&format!("{name} {rows}x{len}"), &got[off..], &want, 1e-12);
         }
+    }
+}
+
+#[test]
+fn embed_gather_matches_dequantize_row() {
+    use smoe_compute::gpu::{EmbedGather, WeightRef};
+    use smoe_vault::quant::{dequantize_row, quantize_matrix, DType};
+    let Some(ctx) = gpu() else { return };
+    let (rows, cols) = (37, 192);
+    let data = rand_vec(rows * cols, 91, 2.0);
+    // Ids in any order, a repeated one, the first and the last row.
+    let ids: Vec<u32> = vec![36, 0, 5, 5, 17];
+    for dtype in [DType::F32, DType::Bf16, DType::Q8, DType::Q4, DType::Q2] {
+        let bytes = quantize_matrix(dtype, &data, rows, cols);
+        let stride = dtype.row_stride(cols);
+        // The matrix at an offset inside its buffer, as the engine's tensors are.
+        let mut padded = vec![0xABu8; 256];
+        padded.extend_from_slice(&bytes);
+        let wb = ctx.upload("w", &padded);
+        let ib = ctx.upload("ids", bytemuck::cast_slice(&ids));
+        let yb = nan_buffer(ctx, "y", 8 + ids.len() * cols);
+        let w = WeightRef {
+            buffer: &wb,
+            offset: 256,
+            dtype,
+            rows,
+            cols,
+        };
+        let k = EmbedGather::new(
+            ctx,
+            &w,
+            BufRef::new(&ib),
+            BufRef::at(&yb, 32),
+            ids.len(),
+        )
+        .unwrap();
+        let mut enc = ctx.encoder();
+        k.encode(&mut enc);
+        ctx.submit_wait(enc);
+        let mut want = vec![0f32; ids.len() * cols];
+        for (o, &id) in want.chunks_exact_mut(cols).zip(&ids) {
+            let at = id as usize * stride;
+            dequantize_row(dtype, &bytes[at..at + stride], o);
+        }
+        let got = ctx.read_f32(&yb, 32, ids.len() * cols).unwrap();
+        assert_close(&format!("embed {dtype}"), &got, &want, 1e-12);
     }
 }

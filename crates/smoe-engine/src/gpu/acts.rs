@@ -49,6 +49,9 @@ pub(crate) struct Acts {
     pub rlog: wgpu::Buffer,
     pub ids: wgpu::Buffer,
     pub rw: wgpu::Buffer,
+    /// Streaming lookahead: the next MoE layer's router on this layer's input — its logits,
+    /// chosen ids and weights (unused), shaped as `rlog`, `ids` and `rw`.
+    pub ahead: [wgpu::Buffer; 3],
     /// silu(gate)·up: `[n][k][moe_inter]` for experts, `[n][inter]` for a dense or shared MLP.
     pub gu: wgpu::Buffer,
     /// Expert outputs `[n][k][h]` (batches; a single token's are summed inside its down matvec).
@@ -80,6 +83,11 @@ impl Acts {
             rlog: f("router logits", t * c.num_experts),
             ids: f("expert ids", t * d.k),
             rw: f("expert weights", t * d.k),
+            ahead: [
+                f("lookahead logits", t * c.num_experts),
+                f("lookahead ids", t * d.k),
+                f("lookahead weights", t * d.k),
+            ],
             gu: f("gate_up", t * inter),
             sg: f("shared gate", t),
             eo: f("expert outputs", t * d.k * d.h),

@@ -95,10 +95,22 @@ impl Readback {
         enc.copy_buffer_to_buffer(src, 0, &self.staging, 0, bytes.next_multiple_of(4));
     }
 
-    /// Waits for the submission that copied, and hands its first `bytes` to `f`.
+    /// Waits for the submission that copied (the latest one), and hands its first `bytes` to
+    /// `f`.
     pub fn read<R>(
         &self,
         ctx: &GpuContext,
+        bytes: u64,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R, EngineError> {
+        self.read_after(ctx, None, bytes, f)
+    }
+
+    /// As `read`, waiting only for submission `copied` (later ones may still run).
+    pub fn read_after<R>(
+        &self,
+        ctx: &GpuContext,
+        copied: Option<wgpu::SubmissionIndex>,
         bytes: u64,
         f: impl FnOnce(&[u8]) -> R,
     ) -> Result<R, EngineError> {
@@ -107,7 +119,10 @@ impl Readback {
         slice.map_async(wgpu::MapMode::Read, move |r| {
             let _ = tx.send(r);
         });
-        let _ = ctx.device.poll(wgpu::PollType::wait_indefinitely());
+        let _ = ctx.device.poll(wgpu::PollType::Wait {
+            submission_index: copied,
+            timeout: None,
+        });
         let fail = |e: String| EngineError::Backend(format!("GPU read-back failed: {e}"));
         rx.recv()
             .map_err(|e| fail(e.to_string()))?

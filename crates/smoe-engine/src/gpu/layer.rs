@@ -21,7 +21,7 @@
 use super::acts::Acts;
 use super::gpu_err;
 use super::record::{Dispatch, Recorder};
-use super::weights::{FfnW, LayerW, Mlp};
+use super::weights::{FfnW, LayerW, Mlp, Packed};
 use crate::error::EngineError;
 use smoe_compute::gpu::{
     wgpu, BufRef, EltOp, Eltwise, ExpertSort, Fuse, GpuContext, Grouped, MatMul, MatMulDesc,
@@ -93,6 +93,10 @@ pub(crate) struct LayerOps {
     /// MoE layers: where in `post` the expert dispatches begin (after the router), so that a
     /// streaming pass can stop there, read the ids and fill the expert slots.
     pub experts_at: Option<usize>,
+    /// Streaming lookahead (recorded at that stop): the next MoE layer's router and top-k on
+    /// this layer's normed input, into `Acts::ahead` — a prediction of the experts it will
+    /// want, so their reads can start while this layer's run.
+    pub lookahead: Vec<Op>,
 }
 
 /// Batches at least this large take the GEMM path.
@@ -283,12 +287,14 @@ impl B<'_> {
 }
 
 impl LayerOps {
+    /// `next_router`: streaming, the router of the next MoE layer (for `lookahead`).
     pub fn new(
         ctx: &GpuContext,
         w: &LayerW,
         a: &Acts,
         c: &ModelConfig,
         n: usize,
+        next_router: Option<&Packed>,
     ) -> Result<Self, EngineError> {
         let b = B {
             ctx,
@@ -352,6 +358,7 @@ impl LayerOps {
         );
         let input = b.input(n == 1 && !shared_expert, &w.post_norm, eps, &mut post)?;
         let mut experts_at = None;
+        let mut lookahead = vec![];
         match &w.ffn {
             FfnW::Dense(m) => b.mlp(m, input, true, &mut post)?,
             FfnW::Moe {
@@ -383,6 +390,17 @@ impl LayerOps {
                 post.push(router?);
                 let route = Router::new(ctx, rlog, ids, rw, e.n, k, n, c.norm_topk_prob);
                 post.push(Op::new("router top-k", route.map_err(gpu_err)?));
+                if let Some(next) = next_router {
+                    let [alog, aids, aw] = a.ahead.each_ref().map(BufRef::new);
+                    let hn = BufRef::new(&a.hn);
+                    let guess = match b.gemm {
+                        true => b.mv("lookahead", next.w(0), None, hn, alog, None, Fuse::default()),
+                        false => b.mv_in("lookahead", input, next.w(0), None, alog, None),
+                    };
+                    lookahead.push(guess?);
+                    let route = Router::new(ctx, alog, aids, aw, e.n, k, n, c.norm_topk_prob);
+                    lookahead.push(Op::new("lookahead", route.map_err(gpu_err)?));
+                }
                 experts_at = Some(post.len());
                 // Slot t·k + s is token t's s-th expert: gate_up reads token t's input (k slots
                 // share it), down reads its slot's gate_up output and sums each token's k slots
@@ -441,6 +459,7 @@ impl LayerOps {
             pre,
             post,
             experts_at,
+            lookahead,
         })
     }
 }

@@ -27,7 +27,7 @@ pub(crate) use kv::AttnCtx;
 pub use kv::GpuKv;
 pub(crate) use layer::LayerOps;
 pub(crate) use record::Recorder;
-pub(crate) use weights::Weights;
+pub(crate) use weights::{FfnW, Weights};
 
 use crate::error::EngineError;
 use smoe_compute::gpu::GpuContext;

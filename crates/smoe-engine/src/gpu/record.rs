@@ -2,7 +2,7 @@
 //! timestamp after every step when the decoder is profiling (`GpuDecoder::profile`).
 
 use smoe_compute::gpu::{
-    wgpu, Argmax, DecodeAttention, Eltwise, ExpertSort, MatMul, MatVec, QkNormRope, RmsNorm,
+    wgpu, Argmax, DecodeAttention, Eltwise, EmbedGather, ExpertSort, MatMul, MatVec, QkNormRope, RmsNorm,
     Router, Timestamps, WeightedSum,
 };
 
@@ -30,7 +30,8 @@ dispatch!(
     Router,
     Argmax,
     QkNormRope,
-    DecodeAttention
+    DecodeAttention,
+    EmbedGather
 );
 
 /// An open compute pass and, when profiling, the timestamps to mark: after each step (`fine`),

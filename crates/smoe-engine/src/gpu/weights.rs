@@ -112,6 +112,10 @@ pub(crate) struct Weights {
     pub layers: Vec<LayerW>,
     pub norm: wgpu::Buffer,
     pub lm_head: Packed,
+    /// The input embedding in GPU memory, for greedy chains (`GpuDecoder::decode_greedy`): not
+    /// when streaming (a chain needs the host at every router), and not a second copy when it
+    /// is tied to the LM head.
+    pub embed: Option<Packed>,
     pub inv_freq: wgpu::Buffer,
 }
 
@@ -303,6 +307,15 @@ impl Weights {
         }
     }
 
+    /// The input embedding on the GPU, when it is there (resident models).
+    pub fn embedding(&self, tied: bool) -> Option<WeightRef<'_>> {
+        match (&self.embed, tied) {
+            (Some(e), _) => Some(e.w(0)),
+            (None, true) => Some(self.lm_head.w(0)),
+            (None, false) => None,
+        }
+    }
+
     /// `expert_slots`: `None` uploads every expert; `Some(s)` gives each MoE layer `s` empty
     /// expert slots (streaming).
     pub fn upload(
@@ -333,6 +346,10 @@ impl Weights {
             layers,
             norm: ld.vector("model.norm.weight")?.0,
             lm_head: ld.packed(&[head.to_string()])?,
+            embed: match expert_slots.is_none() && !cfg.tie_word_embeddings {
+                true => Some(ld.packed(&["model.embed_tokens.weight".to_string()])?),
+                false => None,
+            },
             inv_freq: ctx.upload_f32("rope inv_freq", rope.inv_freq()),
         };
         // Finish the queued uploads here, so that load time includes them, not the first token.

@@ -322,8 +322,9 @@ impl Decoder {
     }
 
     /// Lookahead: the next MoE layer's router applied to this layer's input predicts its experts
-    /// well (the residual stream changes little per layer), so their reads can start now and
-    /// overlap this layer's compute. Only a prediction: the real routing happens there.
+    /// well (the residual stream changes little per layer), so their reads can start as soon as
+    /// this layer's own misses are queued, and overlap this layer's reads and compute. Only a
+    /// prediction: the real routing happens there.
     fn prefetch_next(&self, l: usize, t: usize, s: &Scratch) {
         let c = &self.cfg;
         let Some((n, router)) =
@@ -348,7 +349,7 @@ impl Decoder {
             }
         }
         let experts: Vec<usize> = (0..ne).filter(|&e| want[e]).collect();
-        self.experts.prefetch(n, &experts);
+        self.experts.prefetch_after(n, &experts);
     }
 
     /// Routes every token to its top-k experts, then runs each used expert once over the tokens

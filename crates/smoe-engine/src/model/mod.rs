@@ -150,6 +150,43 @@ impl Model {
         }
     }
 
+    /// Greedy decoding after `first` (the token just chosen, not yet fed): feeds it and each
+    /// following argmax, handing every chosen id to `on_token` until it says stop, `max_tokens`
+    /// ids came out or the cache is full. Returns the ids fed (the cache holds them now). On the
+    /// GPU (resident) each pass takes its input from the previous pass's argmax on the device
+    /// and is queued before the host reads that id (`GpuDecoder::decode_greedy`); elsewhere it
+    /// is one `forward_greedy` per token.
+    pub fn decode_greedy(
+        &self,
+        kv: &mut KvCache,
+        first: u32,
+        max_tokens: usize,
+        on_token: &mut dyn FnMut(u32) -> Result<bool, EngineError>,
+        s: &mut Scratch,
+    ) -> Result<Vec<u32>, EngineError> {
+        if let Model::Gpu(m) = self {
+            if let Some(fed) = m.decode_greedy(kv, first, max_tokens, on_token)? {
+                return Ok(fed);
+            }
+        }
+        let mut fed = vec![];
+        let mut id = first;
+        while fed.len() < max_tokens && kv.check_room(1).is_ok() {
+            fed.push(id);
+            id = self.forward_greedy(kv, &[id], s)?;
+            if !on_token(id)? {
+                break;
+            }
+        }
+        Ok(fed)
+    }
+
+    /// Whether greedy decoding feeds the device's own choices back without the host
+    /// (`decode_greedy` on a resident GPU model).
+    pub fn chains_greedy(&self) -> bool {
+        matches!(self, Model::Gpu(m) if m.chains_greedy())
+    }
+
     /// Several sequences in one pass (continuous batching): `runs[i]` continues `kvs[i]`.
     pub fn forward_batch(
         &self,

@@ -257,6 +257,14 @@ impl Experts {
         }
     }
 
+    /// As `prefetch`, started only once the next `for_each`/`for_each_blob` has queued the
+    /// reads it certainly needs (streaming only; a no-op otherwise).
+    pub fn prefetch_after(&self, layer: usize, experts: &[usize]) {
+        if let Source::Streamed(s) = &self.source {
+            s.prefetch_after(layer, self.with_blobs(layer, experts));
+        }
+    }
+
     /// Marks the end of a forward pass (ages the cache's use counts).
     pub fn tick(&self) {
         if let Source::Streamed(s) = &self.source {

@@ -60,6 +60,8 @@ pub struct StreamedStore {
     busy: Mutex<(f64, usize, Option<Instant>)>,
     /// Lookahead reads in flight or done, by expert key, until their layer takes them.
     prefetched: Mutex<HashMap<usize, Arc<Pending>>>,
+    /// A lookahead to start once the next `for_each_blob` has queued its own misses.
+    deferred: Mutex<Option<(usize, Vec<(usize, usize)>)>>,
 }
 
 impl StreamedStore {
@@ -89,6 +91,7 @@ impl StreamedStore {
             reader: Arc::new(reader),
             busy: Mutex::new((0.0, 0, None)),
             prefetched: Mutex::new(HashMap::new()),
+            deferred: Mutex::new(None),
         });
         let rx = Arc::new(Mutex::new(rx));
         for i in 0..threads.max(1) {
@@ -159,6 +162,13 @@ impl StreamedStore {
         }
     }
 
+    /// As `prefetch`, but started by the next `for_each_blob` right after it queues its own
+    /// misses: the reader threads take jobs in order, and a guess must not delay a read that is
+    /// certainly needed.
+    pub fn prefetch_after(&self, layer: usize, experts: Vec<(usize, usize)>) {
+        *self.deferred.lock().unwrap() = Some((layer, experts));
+    }
+
     /// Hands `f` each of `experts` (with their blob indices) of `layer` as its whole blob slot
     /// (`blob_stride` bytes, verified): cache hits first, then misses in the order their reads
     /// finish. The first failed read is returned after the others have drained; nothing from a
@@ -209,6 +219,10 @@ impl StreamedStore {
             }
         }
         drop(tx);
+        let deferred = self.deferred.lock().unwrap().take();
+        if let Some((l, ex)) = deferred {
+            self.prefetch(l, &ex);
+        }
         let mut compute = 0.0;
         for (e, buf) in &hits {
             let t = Instant::now();

@@ -272,7 +272,7 @@ impl fmt::Display for BenchReport {
             let t = &r.tuning;
             writeln!(
                 f,
-                "{:<18} {:<5} {:>10.1} {:>10.1} {:>9.0} {:>6.1}%  wg {} rows {} {}",
+                "{:<18} {:<5} {:>10.1} {:>10.1} {:>9.0} {:>6.1}%  wg {} rows {}{} {}",
                 r.shape,
                 r.dtype.name(),
                 r.bytes as f64 / 1e6,
@@ -281,6 +281,10 @@ impl fmt::Display for BenchReport {
                 100.0 * r.ratio,
                 t.wg,
                 t.rows,
+                match t.items {
+                    0 => String::new(),
+                    u => format!(" items {u}"),
+                },
                 if r.dtype == DType::Q4 {
                     format!("{:?}", t.q4)
                 } else {
