@@ -100,6 +100,10 @@ var<workgroup> part: array<f32, PART_LEN>;
 // NORM: per (token, subgroup) partial sums of squares, then each token's 1/rms.
 var<workgroup> ssq: array<f32, SSQ_LEN>;
 var<workgroup> inv_rms: array<f32, NT_MAX>;
+// REDUCE: per slot, the vec4 index of its expert's matrix and its router weight, read once per
+// workgroup rather than from global memory for every (row, slot) item.
+var<workgroup> slot_base: array<u32, NT_MAX>;
+var<workgroup> slot_w: array<f32, NT_MAX>;
 override SSQ_LEN: u32 = select(1u, NT * 64u, NORM);
 
 // Where vec4 i of chunk k sits in the tile's natural order (vec4 units).
@@ -348,14 +352,13 @@ fn rms(li: u32, sg: u32, nsg: u32, lane: u32, xbase: u32, nt: u32) {
 }
 
 // Item i of the workgroup's list: the vec4 index of its weight row, or NONE past the rows.
-fn item_row(i: u32, row0: u32, wbase: u32, oslot: u32) -> u32 {
+fn item_row(i: u32, row0: u32, wbase: u32) -> u32 {
     if REDUCE {
         let row = row0 + i % ROWS;
         if i >= ROWS * NT || row >= p.rows {
             return NONE;
         }
-        let slot = oslot * NT + i / ROWS;
-        return p.w_off + ids[p.ids_off + slot] * p.w_mat_stride + row * p.row_stride;
+        return slot_base[i / ROWS] + row * p.row_stride;
     }
     let g = select(1u, 2u, GATED);
     let row = row0 + i / g;
@@ -368,11 +371,11 @@ fn item_row(i: u32, row0: u32, wbase: u32, oslot: u32) -> u32 {
 // The U items from i0 on, over the tile's chunks: each lane loads S chunks (codes and their
 // parameter words) of every item, then multiplies them, until the tile's chunks are done (one
 // round when S·ss covers them); the subgroup's sums are added to `part`.
-fn items(i0: u32, row0: u32, wbase: u32, oslot: u32, cfirst: u32, nchunks: u32, lane: u32, ss: u32) {
+fn items(i0: u32, row0: u32, wbase: u32, cfirst: u32, nchunks: u32, lane: u32, ss: u32) {
     var rbs: array<u32, LD>;
     var acc: array<array<f32, NT_MAX>, LD>;
     for (var u = 0u; u < U; u++) {
-        rbs[u] = item_row(i0 + u, row0, wbase, oslot);
+        rbs[u] = item_row(i0 + u, row0, wbase);
     }
     for (var cb = 0u; cb < nchunks; cb += S * ss) {
         var q: array<vec4<u32>, LD>;
@@ -408,7 +411,7 @@ fn items(i0: u32, row0: u32, wbase: u32, oslot: u32, cfirst: u32, nchunks: u32, 
             let s = subgroupAdd(acc[u][0]);
             if lane == 0u && rbs[u] != NONE {
                 let t = i / ROWS;
-                part[2u * ((i % ROWS) * NT + t)] += rw[p.rw_off + oslot * NT + t] * s;
+                part[2u * ((i % ROWS) * NT + t)] += slot_w[t] * s;
             }
         } else {
             let g = select(1u, 2u, GATED);
@@ -450,6 +453,11 @@ fn main(
     if REDUCE {
         xbase = p.x_off + oslot * NT * p.x_tok;
     }
+    if REDUCE && li < NT {
+        let slot = oslot * NT + li;
+        slot_base[li] = p.w_off + ids[p.ids_off + slot] * p.w_mat_stride;
+        slot_w[li] = rw[p.rw_off + slot];
+    }
     if NORM {
         rms(li, sg, nsg, lane, xbase, nt);
     }
@@ -462,7 +470,7 @@ fn main(
         let cfirst = c0 / cv;
         let n_items = select(ROWS * select(1u, 2u, GATED), ROWS * NT, REDUCE);
         for (var i0 = sg * U; i0 < n_items; i0 += nsg * U) {
-            items(i0, row0, wbase, oslot, cfirst, nchunks, lane, ss);
+            items(i0, row0, wbase, cfirst, nchunks, lane, ss);
         }
     }
     workgroupBarrier();
