@@ -46,7 +46,10 @@ struct Params {
     nw_off: u32,       // NORM: vec4 index of the norm weight
     eps: f32,          // NORM
     rw_off: u32,       // REDUCE: f32 index of slot 0's weight
-    _pad: u32,
+    hn_off: u32,       // NORM_OUT: vec4 index of token 0's normed row
+    hn_per: u32,       // NORM_OUT: vec4s of the normed rows each workgroup (dispatch x) writes
+    _pad0: u32,
+    _pad1: u32,
 }
 
 override DTYPE: u32 = 2u; // 0 bf16, 1 q8, 2 q4, 3 q2; q4 variants: 4 float bits, 5 int8 dot (see chunk)
@@ -59,6 +62,9 @@ override GROUPED: bool = false;
 override NORM: bool = false;
 override ACCUM: bool = false;
 override REDUCE: bool = false;
+// With NORM: also write the normed inputs to hn, each workgroup (dispatch x) its share of the
+// columns, so that later products of the same input read them instead of renormalizing.
+override NORM_OUT: bool = false;
 // vec4s of x per 16-byte chunk of codes: 8, 16, 32 or 64 inputs.
 override VPC: u32 = select(select(select(16u, 8u, DTYPE == 2u || DTYPE >= 4u), 4u, DTYPE == 1u), 2u, DTYPE == 0u);
 // Chunks per row and tile.
@@ -86,6 +92,7 @@ const NONE: u32 = 0xffffffffu;
 @group(0) @binding(4) var<storage, read> ids: array<u32>;
 @group(0) @binding(5) var<storage, read> nw: array<vec4<f32>>;
 @group(0) @binding(6) var<storage, read> rw: array<f32>;
+@group(0) @binding(7) var<storage, read_write> hn: array<vec4<f32>>;
 
 var<workgroup> xs: array<vec4<f32>, XS_LEN>;
 // q4 variants: per (token, half, chunk), DTYPE 4: Σx of the chunk's 16 low- or high-nibble
@@ -270,7 +277,8 @@ fn chunk(q: vec4<u32>, pw: u32, c: u32, k: u32, ta: u32, tb: u32, acc: ptr<funct
 
 // Stages columns c0.. of up to nt tokens (the tile is tc columns wide) into xs, and for the q4
 // variants the sums, int8 codes and scales they use.
-fn stage(li: u32, xbase: u32, c0: u32, tc: u32, nt: u32) {
+// NORM_OUT: this workgroup writes vec4 columns [hlo, hhi) of the normed rows of tokens t0...
+fn stage(li: u32, xbase: u32, c0: u32, tc: u32, nt: u32, t0: u32, hlo: u32, hhi: u32) {
     for (var d = li; d < NT * VPC * NCH; d += WG) {
         let k = d % NCH;
         let i = (d / NCH) % VPC;
@@ -281,6 +289,10 @@ fn stage(li: u32, xbase: u32, c0: u32, tc: u32, nt: u32) {
             v = x[xbase + t * p.x_tok + c0 / 4u + n];
             if NORM {
                 v *= inv_rms[t] * nw[p.nw_off + c0 / 4u + n];
+                let col = c0 / 4u + n;
+                if NORM_OUT && col >= hlo && col < hhi {
+                    hn[p.hn_off + (t0 + t) * (p.cols / 4u) + col] = v;
+                }
             }
         }
         xs[d] = v;
@@ -465,7 +477,7 @@ fn main(
         let tc = min(TILE, p.cols - c0);
         // Nobody may still read the previous tile's staged inputs.
         workgroupBarrier();
-        stage(li, xbase, c0, tc, nt);
+        stage(li, xbase, c0, tc, nt, t0, wid.x * p.hn_per, (wid.x + 1u) * p.hn_per);
         let nchunks = tc / cv;
         let cfirst = c0 / cv;
         let n_items = select(ROWS * select(1u, 2u, GATED), ROWS * NT, REDUCE);

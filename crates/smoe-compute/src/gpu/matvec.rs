@@ -63,6 +63,10 @@ pub struct Fuse<'a> {
     /// (`[n_slots]` f32, e.g. the router's): `y[t] = Σ_j w[t·k + j] · W_{ids[t·k + j]} · x[t·k + j]`,
     /// so `y` holds `n_slots / k` rows. Not with gated products.
     pub reduce: Option<(BufRef<'a>, usize)>,
+    /// With `norm`: also write the normed inputs (`[n_tokens][cols]` f32) here, so that later
+    /// products of the same input can read them instead of renormalizing (each workgroup
+    /// writes a share of the columns). Not grouped.
+    pub norm_out: Option<BufRef<'a>>,
 }
 
 #[repr(C)]
@@ -87,7 +91,9 @@ struct Params {
     nw_off: u32,
     eps: f32,
     rw_off: u32,
-    _pad: u32,
+    hn_off: u32,
+    hn_per: u32,
+    _pad: [u32; 2],
 }
 
 /// Launch shape and decoding choices; `Default` is what `MatVec::new` uses. Exposed so that
@@ -333,6 +339,7 @@ impl MatVec {
                 ("NORM", f.norm.is_some() as u8 as f64),
                 ("ACCUM", f.accumulate as u8 as f64),
                 ("REDUCE", f.reduce.is_some() as u8 as f64),
+                ("NORM_OUT", f.norm_out.is_some() as u8 as f64),
                 ("U", items_u as f64),
                 ("S", steps as f64),
             ],
@@ -375,6 +382,19 @@ impl MatVec {
         let (rb, rw_off) = match f.reduce {
             Some((rw, _)) => rw.bind(ctx, "matvec reduce weights", n_slots, 4)?,
             None => (nb, 0),
+        };
+        let hn_unused;
+        let (hb, hn_off) = match f.norm_out {
+            Some(hn) => {
+                if f.norm.is_none() || d.grouped.is_some() {
+                    return Err(err("a normed output needs a norm and an ungrouped product".into()));
+                }
+                hn.bind(ctx, "matvec normed output", d.n_tokens * w.cols, 16)?
+            }
+            None => {
+                hn_unused = ctx.storage_buffer("matvec (no normed output)", 16);
+                (Binding::whole(&hn_unused), 0)
+            }
         };
         let ids_fallback;
         let (ib, ids_off) = match d.grouped {
@@ -421,7 +441,9 @@ impl MatVec {
                 nw_off,
                 eps,
                 rw_off,
-                _pad: 0,
+                hn_off,
+                hn_per: (w.cols / 4).div_ceil(rows.div_ceil(tune.rows as u64) as usize) as u32,
+                _pad: [0; 2],
             };
             let pbuf = ctx.uniform("matvec params", &params);
             let bind = ctx.bind_group(
@@ -435,6 +457,7 @@ impl MatVec {
                     ib.entry(4),
                     nb.entry(5),
                     rb.entry(6),
+                    hb.entry(7),
                 ],
             )?;
             let groups = [

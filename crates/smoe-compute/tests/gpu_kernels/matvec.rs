@@ -408,22 +408,25 @@ fn matvec_fused_norm_accumulate_reduce() {
                 n_tokens: nt,
                 grouped: None,
             };
+            // The normed inputs are also written out (at an offset, after poison).
+            let hbuf = nan_buffer(ctx, "hn", 16 + nt * cols);
             let fuse = Fuse {
                 norm: Some((BufRef::new(&nbuf), eps)),
                 accumulate: true,
                 reduce: None,
+                norm_out: Some(BufRef::at(&hbuf, 64)),
             };
             let mv = MatVec::fused(ctx, &desc, &fuse).unwrap();
             let mut enc = ctx.encoder();
             mv.encode(&mut enc);
             ctx.submit_wait(enc);
             let got = ctx.read_f32(&ybuf, 0, nt * rows).unwrap();
-            assert_close(
-                &format!("norm+acc {dtype} {rows}x{cols} nt {nt} gated {gated}"),
-                &got,
-                &want,
-                1e-5,
-            );
+            let what = format!("norm+acc {dtype} {rows}x{cols} nt {nt} gated {gated}");
+            assert_close(&what, &got, &want, 1e-5);
+            let normed = ctx.read_f32(&hbuf, 64, nt * cols).unwrap();
+            assert_close(&format!("{what}: normed output"), &normed, &h, 1e-10);
+            let poison = ctx.read_f32(&hbuf, 0, 16).unwrap();
+            assert!(poison.iter().all(|v| v.is_nan()), "{what}: hn before its offset");
         }
 
         // Grouped, reduced over each token's k slots with router weights, plus y: three tokens
@@ -499,6 +502,7 @@ fn matvec_fused_norm_accumulate_reduce() {
                 norm: None,
                 accumulate: true,
                 reduce: Some((BufRef::new(&wtbuf), k)),
+                norm_out: None,
             };
             let mv = MatVec::fused(ctx, &desc, &fuse).unwrap();
             let mut enc = ctx.encoder();

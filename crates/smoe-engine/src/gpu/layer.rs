@@ -379,15 +379,24 @@ impl LayerOps {
                     BufRef::new(&a.ids),
                     BufRef::new(&a.rw),
                 );
-                // The router is small: a matvec even for a batch (reading hn then).
-                let router = match b.gemm {
-                    true => {
-                        let hn = BufRef::new(&a.hn);
-                        b.mv("router", router.w(0), None, hn, rlog, None, Fuse::default())
+                // The router is small: a matvec even for a batch (reading hn then). With the
+                // norm fused in, it also writes the normed input to hn, which the experts and the
+                // lookahead then read instead of each of their workgroups renormalizing x.
+                let hn = BufRef::new(&a.hn);
+                let router = match (b.gemm, input) {
+                    (false, Input::Fused(nw, eps)) => {
+                        let fuse = Fuse {
+                            norm: Some((nw, eps)),
+                            norm_out: Some(hn),
+                            ..Fuse::default()
+                        };
+                        let x = BufRef::new(&a.x);
+                        b.mv("router", router.w(0), None, x, rlog, None, fuse)
                     }
-                    false => b.mv_in("router", input, router.w(0), None, rlog, None),
+                    _ => b.mv("router", router.w(0), None, hn, rlog, None, Fuse::default()),
                 };
                 post.push(router?);
+                let input = Input::Normed;
                 let route = Router::new(ctx, rlog, ids, rw, e.n, k, n, c.norm_topk_prob);
                 post.push(Op::new("router top-k", route.map_err(gpu_err)?));
                 if let Some(next) = next_router {
