@@ -1,18 +1,21 @@
 //! `model::decoder` on the GPU (wgpu): the same math, with every kernel recorded at load.
 //!
-//! A forward pass over n tokens (n a power of two ≤ `T_MAX`; longer runs are split) is one
-//! command buffer and one submission: the host writes the tokens' embedding rows and the position
-//! (a few KiB), records the prepared dispatches (per layer: RMSNorm, q/k/v, QK-norm + RoPE + KV
-//! append, attention, o + residual, RMSNorm, router matvec, softmax top-k, grouped gate_up and
-//! down over the router's ids, weighted sum — the router's choice never leaves the GPU), then the
-//! final norm and LM head only if a token is generated or scored. It reads back only what the
-//! caller asked for: a greedy token id (4 bytes, argmax on the GPU), the last row of logits
-//! (sampling) or every row (log-probs). So decoding is one submission and one wait per token.
+//! A forward pass over n tokens (n a power of two ≤ `T_MAX`; longer runs are split) writes the
+//! tokens' embedding rows and the position (a few KiB), records the prepared dispatches (per
+//! layer: q/k/v with the input norm fused, QK-norm + RoPE + KV append, attention, o + residual,
+//! router matvec with the post-attention norm fused, softmax top-k, grouped gate_up and down over
+//! the router's ids with the weighted sum and residual fused — the router's choice never leaves
+//! the GPU), then the final norm and LM head only if a token is generated or scored, submitting
+//! every `SUBMIT_LAYERS` layers. It reads back only what the caller asked for: a greedy token id
+//! (4 bytes, argmax on the GPU), the last row of logits (sampling) or every row (log-probs).
+//! Greedy decoding (`decode_greedy`) chains passes: each gathers its input from the previous
+//! pass's argmax on the device and is queued before the host reads that id.
 //!
 //! With `--expert-cache` other than resident, experts stream (`Streaming`): each MoE layer has a
 //! few VRAM expert slots, and a pass is split after every MoE layer's router so the host can read
-//! the chosen ids, fill missing slots from the streaming store, and hand the grouped matvecs slot
-//! indices — one submission and wait per MoE layer.
+//! the chosen ids (and the next MoE layer's predicted ones, whose reads it starts), fill missing
+//! slots from the streaming store, and hand the grouped matvecs slot indices — one submission
+//! and wait per MoE layer.
 
 use super::{mat, Logits};
 use crate::error::EngineError;
