@@ -140,6 +140,9 @@ fn decode_attention_matches_cpu_any_context() {
         // One split (capacity ≤ 512: the direct path, no combine) over several tiles.
         (8, 2, 64, 2, 300, 400, None),
         (8, 2, 128, 1, 450, 512, Some(200)),
+        // Head widths that are not a multiple of 32 (the K dot's 8-vec4 steps leave a rest).
+        (4, 2, 36, 2, 20, 40, None),
+        (8, 4, 80, 1, 100, 200, None),
     ] {
         let kw = nkv * hd;
         let seed = (nh * 7 + pos0) as u64;

@@ -5,13 +5,15 @@
 //! h = n1(x); q, k, v = proj(h) (+ bias) → qk-norm → clip → rope, KV append, attention
 //! x += o(attn);  h = n2(x);  x += Σ_top-k w_e · expert_e(h) + σ(g·h) · shared(h)   or   mlp(h)
 //!
-//! Decoding is a chain of dependent dispatches, each with a floor of 5–10 µs on an H200 however
-//! little it does (`smoe bench decode --breakdown`), so work is fused into the matvecs
-//! (`smoe_compute::gpu::Fuse`): the residual adds into o and the down projections, the
-//! experts' weighted sum into their down projection, and for single tokens both RMSNorms into
-//! the matvecs that read the normed input (each recomputes it). A layer with a shared expert
-//! keeps its post-attention norm separate: its shared MLP must read the normed input after the
-//! routed experts have already added to x.
+//! Decoding is a chain of dependent dispatches, each with a floor of ~4 µs on an H200 however
+//! little it does (`smoe bench decode --breakdown`), so cheap work is fused into the matvecs
+//! (`smoe_compute::gpu::Fuse`): the residual add into o, and for single tokens the RMSNorms into
+//! the matvecs that read the normed input — qkv recomputes its norm; the router's also writes
+//! the normed input, which the experts' gate_up then reads. Not everything fused pays: the
+//! experts' weighted sum fused into their down projection (`Fuse::reduce`) was slower than a
+//! separate sum (see the down projection below). A layer with a shared expert keeps its
+//! post-attention norm separate: its shared MLP must read the normed input after the routed
+//! experts have already added to x.
 //!
 //! Batches of `GEMM_MIN` tokens or more (prefill) are throughput-bound instead: their matrix
 //! products are token-batched GEMMs (`MatMul`) that read each weight tile once per tile of
@@ -446,13 +448,15 @@ impl LayerOps {
                 } else {
                     let grouped_gu = Some(grouped(k));
                     post.push(b.mv_in("experts gate_up", input, gate, up, gu, grouped_gu)?);
-                    let fuse = Fuse {
-                        accumulate: true,
-                        reduce: Some((rw, k)),
-                        ..Fuse::default()
-                    };
-                    let x = BufRef::new(&a.x);
-                    post.push(b.mv("experts down", down, None, gu, x, Some(grouped(1)), fuse)?);
+                    // Each slot's down projection on its own (a workgroup per 16 rows of one
+                    // expert), then the weighted sum into x: one dispatch more than the fused
+                    // reduce (`Fuse::reduce`, a workgroup per 16 rows of all k experts), but the
+                    // reduce's 128 workgroups each stage all k inputs and walk k × 16 items, and
+                    // on an H200 the pair is faster: 262.5 → 281.2 tok/s decode (30B shapes, q4).
+                    let eo = BufRef::new(&a.eo);
+                    let g = Some(grouped(1));
+                    post.push(b.mv("experts down", down, None, gu, eo, g, Fuse::default())?);
+                    post.push(b.add_to_x("experts sum", eo, rw, k)?);
                 }
                 if let Some((m, gate)) = shared {
                     b.mlp(m, input, false, &mut post)?;
