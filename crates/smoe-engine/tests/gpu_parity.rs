@@ -216,3 +216,49 @@ fn greedy_chain_matches_token_by_token() {
         }
     }
 }
+
+/// A dropped sequence's GPU KV cache is reused by the next sequence of the same capacity (no
+/// set-up), and what the previous sequence left in it never shows: the same prompt gives the
+/// same tokens and log-probs on a fresh cache and on a reused one.
+#[test]
+fn reused_kv_caches_give_fresh_results() {
+    if !have_gpu() {
+        return;
+    }
+    let name = &smoe_fixtures::names()[0];
+    let v = TempVault::new(name, DType::Q4);
+    let gpu = v.open(Backend::Gpu);
+    let smoe_engine::Model::Gpu(g) = &gpu.model else {
+        unreachable!("opened on the GPU")
+    };
+    let prompts = &smoe_fixtures::reference(name).prompts;
+    let (p, other) = (&prompts[0].prompt, &prompts[1].prompt);
+    let cap = 200;
+    let run = |prompt: &[u32]| {
+        let mut s = gpu.session(cap);
+        let lp = s.feed(prompt, Logits::All).unwrap();
+        let first = smoe_engine::sampler::argmax(&lp[lp.len() - gpu.model.config().vocab_size..]);
+        let mut toks = vec![first];
+        s.decode_greedy(first, 16, &mut |id| {
+            toks.push(id);
+            Ok(true)
+        })
+        .unwrap();
+        (lp, toks)
+    };
+    let kept = g.kept_kv_caches();
+    let fresh = run(p);
+    assert_eq!(g.kept_kv_caches(), kept + 1, "the dropped cache is kept");
+    // Another sequence dirties the kept cache (taken and given back: still one kept).
+    run(other);
+    assert_eq!(g.kept_kv_caches(), kept + 1, "the kept cache was reused");
+    let reused = run(p);
+    assert_eq!(reused.1, fresh.1, "tokens on a reused cache");
+    assert_eq!(reused.0, fresh.0, "log-probs on a reused cache");
+    // A different capacity gets its own cache; at most KEEP are kept.
+    for c in 0..6 {
+        let mut s = gpu.session(cap + 1 + c);
+        s.feed(&p[..4], Logits::None).unwrap();
+    }
+    assert!(g.kept_kv_caches() <= 4);
+}

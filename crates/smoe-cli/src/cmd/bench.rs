@@ -254,6 +254,9 @@ fn bytes_per_token(engine: &Engine) -> u64 {
     dense + lm + (c.moe_layers().count() * c.num_experts_per_tok) as u64 * expert
 }
 
+/// The cache of the session whose start-up `bench decode` times: `smoe serve`'s default `--ctx`.
+const SESSION_CTX: usize = 4096;
+
 fn decode(a: DecodeArgs) -> Result<()> {
     if a.tg == 0 || a.reps == 0 {
         bail!("--tg and --reps must be at least 1");
@@ -298,6 +301,25 @@ fn decode(a: DecodeArgs) -> Result<()> {
     };
     // Warm-up: touches the code paths (and, with a cache, starts filling it as real use would).
     decode_run(8, 1_000_000)?;
+    // What a new sequence (a server request) pays before its first token: the first pass of a
+    // new session with the server's default 4,096-position cache (on the GPU the first such
+    // session creates the KV cache and binds the attention dispatches to it; later ones reuse a
+    // dropped session's), against the next pass of a session.
+    let mut session_ms = vec![];
+    for _ in 0..2 {
+        let mut s = engine.session(SESSION_CTX);
+        let t = Instant::now();
+        s.feed_greedy(&[stream(2_000_000)])?;
+        session_ms.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    let next_ms = {
+        let mut s = engine.session(SESSION_CTX);
+        s.feed_greedy(&[stream(2_000_000)])?;
+        let t = Instant::now();
+        s.feed_greedy(&[stream(2_000_001)])?;
+        t.elapsed().as_secs_f64() * 1e3
+    };
+    let (first_ms, again_ms) = (session_ms[0], session_ms[1]);
     let mut pp_tps = vec![];
     if a.pp > 0 {
         let prompt: Vec<u32> = (0..a.pp as u32).map(|i| (i * 7919 + 13) % vocab).collect();
@@ -365,6 +387,9 @@ fn decode(a: DecodeArgs) -> Result<()> {
         "tg": a.tg, "pp": a.pp, "reps": a.reps,
         "decode_tok_per_s": {"median": tg, "min": tg_lo, "max": tg_hi},
         "prefill_tok_per_s": pp.map(|(m, lo, hi)| serde_json::json!({"median": m, "min": lo, "max": hi})),
+        "session_first_pass_ms": first_ms,
+        "session_first_pass_again_ms": again_ms,
+        "session_next_pass_ms": next_ms,
         "bytes_touched_per_token": touched,
         "memory_copy_gb_per_s": copy,
         "backend": engine.model.backend(),
@@ -403,6 +428,7 @@ fn decode(a: DecodeArgs) -> Result<()> {
         "decode   tg{:<5} {tg:>10.1} tok/s  (min {tg_lo:.1}, max {tg_hi:.1})",
         a.tg
     );
+    println!("new session      first pass {first_ms:.1} ms, in the next new session {again_ms:.1} ms; a later pass {next_ms:.1} ms ({SESSION_CTX}-position cache)");
     println!("bandwidth bound  {bw_bound:>10.1} tok/s  ({:.1} MiB touched per token, memory copy {copy:.1} GB/s) → {:.1}%", touched as f64 / (1 << 20) as f64, 100.0 * tg / bw_bound);
     match (&stats, io_bound) {
         (Some(s), Some(b)) => println!(

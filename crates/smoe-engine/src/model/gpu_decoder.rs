@@ -20,7 +20,7 @@
 use super::{mat, Logits};
 use crate::error::EngineError;
 use crate::gpu::{
-    self, Acts, FfnW, GpuKv, Head, LayerOps, Readback, Recorder, Weights, LOGIT_ROWS, T_MAX,
+    self, Acts, FfnW, GpuKv, Head, KvPool, LayerOps, Readback, Recorder, Weights, LOGIT_ROWS, T_MAX,
 };
 use crate::kv_cache::KvCache;
 use crate::rope::RopeTable;
@@ -58,6 +58,8 @@ pub struct GpuDecoder {
     profiling: Mutex<Option<Profiling>>,
     /// Greedy chains (`decode_greedy`): when the embedding is on the GPU.
     chain: Option<Chain>,
+    /// Dropped sequences' KV caches, reused by the next sequence of the same capacity.
+    kv_pool: Arc<KvPool>,
 }
 
 /// What a greedy chain adds: the embedding gather from the argmax, and two read-back buffers
@@ -281,6 +283,7 @@ impl GpuDecoder {
             streaming,
             profiling: Mutex::new(None),
             chain,
+            kv_pool: Arc::default(),
             ctx: ctx.clone(),
             weights,
             acts,
@@ -299,11 +302,14 @@ impl GpuDecoder {
             step: &self.step,
             rope_scale: self.rope_scale,
         };
+        if let Some(kv) = self.kv_pool.take(capacity) {
+            return Ok(kv);
+        }
         let scope = self
             .ctx
             .device
             .push_error_scope(wgpu::ErrorFilter::OutOfMemory);
-        let kv = GpuKv::new(&x, capacity, self.id);
+        let kv = GpuKv::new(&x, capacity, self.id, Arc::downgrade(&self.kv_pool));
         if let Some(e) = pollster::block_on(scope.pop()) {
             return Err(EngineError::Backend(format!("GPU: KV cache: {e}")));
         }
@@ -782,6 +788,11 @@ impl GpuDecoder {
             .unwrap_or_else(|e| e.into_inner())
             .take();
         p.map(|p| p.acc)
+    }
+
+    /// GPU KV caches kept for reuse (dropped sequences' caches; see `gpu::KvPool`).
+    pub fn kept_kv_caches(&self) -> usize {
+        self.kv_pool.len()
     }
 
     /// Streaming: VRAM slot hits and misses (distinct experts per layer and batch) since load.
