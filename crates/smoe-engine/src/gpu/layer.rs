@@ -290,6 +290,7 @@ impl B<'_> {
 
 impl LayerOps {
     /// `next_router`: streaming, the router of the next MoE layer (for `lookahead`).
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         ctx: &GpuContext,
         w: &LayerW,
