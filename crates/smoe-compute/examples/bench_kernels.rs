@@ -103,7 +103,12 @@ fn main() {
             (256, 64),
         ] {
             for q4 in [Q4Decode::FloatBits, Q4Decode::Int8Dot] {
-                tunings.push(MatVecTuning { wg, rows, q4, items: 0 });
+                tunings.push(MatVecTuning {
+                    wg,
+                    rows,
+                    q4,
+                    items: 0,
+                });
             }
         }
         let sweep: Vec<BenchShape> = shapes

@@ -296,7 +296,8 @@ impl<'e> Session<'e> {
         on_token: &mut dyn FnMut(u32) -> Result<bool, EngineError>,
     ) -> Result<(), EngineError> {
         let model = &self.engine.model;
-        let fed = model.decode_greedy(&mut self.kv, first, max_tokens, on_token, &mut self.scratch)?;
+        let fed =
+            model.decode_greedy(&mut self.kv, first, max_tokens, on_token, &mut self.scratch)?;
         self.tokens.extend(fed);
         Ok(())
     }

@@ -172,7 +172,10 @@ fn greedy_chain_matches_token_by_token() {
         for dtype in [DType::Bf16, DType::Q4] {
             let v = TempVault::new(&name, dtype);
             let gpu = v.open(Backend::Gpu);
-            assert!(gpu.model.chains_greedy(), "{name}: resident GPU models chain");
+            assert!(
+                gpu.model.chains_greedy(),
+                "{name}: resident GPU models chain"
+            );
             let prompt = &smoe_fixtures::reference(&name).prompts[0].prompt;
             let n = 12;
             // Reference: one forward_greedy and one wait per token.

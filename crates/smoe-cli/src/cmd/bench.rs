@@ -289,7 +289,9 @@ fn decode(a: DecodeArgs) -> Result<()> {
         let t = Instant::now();
         if chains {
             let first = s.feed_greedy(&[stream(offset)])?;
-            s.decode_greedy(first, n - 1, &mut |id| Ok(std::hint::black_box(id) < u32::MAX))?;
+            s.decode_greedy(first, n - 1, &mut |id| {
+                Ok(std::hint::black_box(id) < u32::MAX)
+            })?;
         } else {
             // Greedy, as `generate --temperature 0`: on the GPU the argmax runs there and only
             // the token id comes back.

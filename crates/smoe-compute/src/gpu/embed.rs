@@ -34,11 +34,16 @@ impl EmbedGather {
         n_tokens: usize,
     ) -> Result<Self, GpuError> {
         let err = |m: String| {
-            GpuError::Shape(format!("embedding gather {}x{} {}: {m}", w.rows, w.cols, w.dtype))
+            GpuError::Shape(format!(
+                "embedding gather {}x{} {}: {m}",
+                w.rows, w.cols, w.dtype
+            ))
         };
         w.dtype.check_cols(w.cols).map_err(err)?;
         if w.offset % 4 != 0 || w.rows == 0 || w.cols == 0 || n_tokens == 0 {
-            return Err(err("offset must be a multiple of 4, shape and tokens > 0".into()));
+            return Err(err(
+                "offset must be a multiple of 4, shape and tokens > 0".into()
+            ));
         }
         let dtype = match w.dtype {
             DType::Bf16 => 0.0,

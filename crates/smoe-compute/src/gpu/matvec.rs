@@ -195,14 +195,28 @@ fn batch_loads(
         _ => 64,
     };
     let steps = (tile / per_chunk).div_ceil(ss).clamp(1, LOADS_IN_FLIGHT);
-    let items = tune.rows as usize * if reduce { nt } else if gated { 2 } else { 1 };
+    let items = tune.rows as usize
+        * if reduce {
+            nt
+        } else if gated {
+            2
+        } else {
+            1
+        };
     let subgroups = (tune.wg as usize / ss).max(1);
     let auto = match dtype {
         DType::Q4 => 1,
         _ => LOADS_IN_FLIGHT / steps,
     };
-    let want = if tune.items > 0 { tune.items as usize } else { auto };
-    let u = want.min(LOADS_IN_FLIGHT / steps).min(items.div_ceil(subgroups)).max(1);
+    let want = if tune.items > 0 {
+        tune.items as usize
+    } else {
+        auto
+    };
+    let u = want
+        .min(LOADS_IN_FLIGHT / steps)
+        .min(items.div_ceil(subgroups))
+        .max(1);
     (u, steps)
 }
 
@@ -387,7 +401,9 @@ impl MatVec {
         let (hb, hn_off) = match f.norm_out {
             Some(hn) => {
                 if f.norm.is_none() || d.grouped.is_some() {
-                    return Err(err("a normed output needs a norm and an ungrouped product".into()));
+                    return Err(err(
+                        "a normed output needs a norm and an ungrouped product".into()
+                    ));
                 }
                 hn.bind(ctx, "matvec normed output", d.n_tokens * w.cols, 16)?
             }

@@ -426,7 +426,10 @@ fn matvec_fused_norm_accumulate_reduce() {
             let normed = ctx.read_f32(&hbuf, 64, nt * cols).unwrap();
             assert_close(&format!("{what}: normed output"), &normed, &h, 1e-10);
             let poison = ctx.read_f32(&hbuf, 0, 16).unwrap();
-            assert!(poison.iter().all(|v| v.is_nan()), "{what}: hn before its offset");
+            assert!(
+                poison.iter().all(|v| v.is_nan()),
+                "{what}: hn before its offset"
+            );
         }
 
         // Grouped, reduced over each token's k slots with router weights, plus y: three tokens

@@ -256,14 +256,8 @@ fn embed_gather_matches_dequantize_row() {
             rows,
             cols,
         };
-        let k = EmbedGather::new(
-            ctx,
-            &w,
-            BufRef::new(&ib),
-            BufRef::at(&yb, 32),
-            ids.len(),
-        )
-        .unwrap();
+        let k =
+            EmbedGather::new(ctx, &w, BufRef::new(&ib), BufRef::at(&yb, 32), ids.len()).unwrap();
         let mut enc = ctx.encoder();
         k.encode(&mut enc);
         ctx.submit_wait(enc);

@@ -406,7 +406,15 @@ impl LayerOps {
                     let [alog, aids, aw] = a.ahead.each_ref().map(BufRef::new);
                     let hn = BufRef::new(&a.hn);
                     let guess = match b.gemm {
-                        true => b.mv("lookahead", next.w(0), None, hn, alog, None, Fuse::default()),
+                        true => b.mv(
+                            "lookahead",
+                            next.w(0),
+                            None,
+                            hn,
+                            alog,
+                            None,
+                            Fuse::default(),
+                        ),
                         false => b.mv_in("lookahead", input, next.w(0), None, alog, None),
                     };
                     lookahead.push(guess?);

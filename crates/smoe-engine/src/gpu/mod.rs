@@ -23,8 +23,8 @@ mod weights;
 
 pub(crate) use acts::Acts;
 pub(crate) use head::{extend_f32, Head, Readback};
-pub(crate) use kv::{AttnCtx, KvPool};
 pub use kv::GpuKv;
+pub(crate) use kv::{AttnCtx, KvPool};
 pub(crate) use layer::LayerOps;
 pub(crate) use record::Recorder;
 pub(crate) use weights::{FfnW, Weights};

@@ -2,8 +2,8 @@
 //! timestamp after every step when the decoder is profiling (`GpuDecoder::profile`).
 
 use smoe_compute::gpu::{
-    wgpu, Argmax, DecodeAttention, Eltwise, EmbedGather, ExpertSort, MatMul, MatVec, QkNormRope, RmsNorm,
-    Router, Timestamps, WeightedSum,
+    wgpu, Argmax, DecodeAttention, Eltwise, EmbedGather, ExpertSort, MatMul, MatVec, QkNormRope,
+    RmsNorm, Router, Timestamps, WeightedSum,
 };
 
 /// A prepared dispatch (or a few) that records into a compute pass.
