@@ -386,8 +386,7 @@ impl GpuDecoder {
         let started = Instant::now();
         let mut host = std::time::Duration::ZERO;
         let mut prof = self.profiling.lock().unwrap_or_else(|e| e.into_inner());
-        let (h, vocab) = (c.hidden_size, c.vocab_size);
-        let embed = mat(&self.embed);
+        let vocab = c.vocab_size;
         let mut greedy = None;
         let mut done = 0;
         while done < tokens.len() {
@@ -399,13 +398,8 @@ impl GpuDecoder {
                 n = n.min(LOGIT_ROWS);
             }
             let last = done + n == tokens.len();
-            rows.resize(n * h, 0.0);
-            for (row, &id) in rows.chunks_exact_mut(h).zip(&tokens[done..done + n]) {
-                smoe_vault::quant::dequantize_row(embed.dtype, embed.row(id as usize), row);
-            }
+            self.write_inputs(&mut rows, &tokens[done..done + n], kv.len + done);
             let q = &self.ctx.queue;
-            q.write_buffer(&self.acts.x, 0, bytemuck::cast_slice(&rows[..]));
-            self.ctx.write_step(&self.step, (kv.len + done) as u32);
             let (layers, head) = &self.batches[n.trailing_zeros() as usize];
             // Resident: the whole pass is one submission. Streaming: one per MoE layer, each
             // ending at the router (`stop`); the next resumes at the layer's expert dispatches.
@@ -573,14 +567,9 @@ impl GpuDecoder {
         max_tokens: usize,
         on_token: &mut dyn FnMut(u32) -> Result<bool, EngineError>,
     ) -> Result<Option<Vec<u32>>, EngineError> {
-        let chain = self.chain.as_ref().filter(|_| {
-            self.streaming.is_none()
-                && self
-                    .profiling
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .is_none()
-        });
+        let profiling = self.profiling.lock().unwrap_or_else(|e| e.into_inner());
+        let chain = self.chain().filter(|_| profiling.is_none());
+        drop(profiling);
         let Some(chain) = chain else {
             return Ok(None);
         };
@@ -591,10 +580,11 @@ impl GpuDecoder {
         // The checks and KV cache set-up of a normal pass, with the first token.
         self.prepare(kv, &[first])?;
         let gkv = kv.gpu.as_deref().expect("prepared");
-        let _running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        let mut rows = self.running.lock().unwrap_or_else(|e| e.into_inner());
         let start = kv.len;
         let mut queued = std::collections::VecDeque::new();
-        queued.push_back(self.chain_pass(chain, gkv, start, Some(first), 0)?);
+        self.write_inputs(&mut rows, &[first], start);
+        queued.push_back(self.chain_pass(chain, gkv, true, 0)?);
         fed.push(first);
         let mut produced = 0;
         while let Some(idx) = queued.pop_front() {
@@ -603,7 +593,8 @@ impl GpuDecoder {
             let ahead = produced + 1 < max_tokens && start + fed.len() < kv.capacity();
             if ahead {
                 let pass = fed.len();
-                queued.push_back(self.chain_pass(chain, gkv, start + pass, None, pass % 2)?);
+                self.ctx.write_step(&self.step, (start + pass) as u32);
+                queued.push_back(self.chain_pass(chain, gkv, false, pass % 2)?);
             }
             let id = chain.ids[produced % 2].read_after(&self.ctx, Some(idx), 4, |b| {
                 u32::from_le_bytes([b[0], b[1], b[2], b[3]])
@@ -622,63 +613,61 @@ impl GpuDecoder {
 
     /// Whether `decode_greedy` runs chains (resident, embedding on the GPU).
     pub fn chains_greedy(&self) -> bool {
-        self.chain.is_some() && self.streaming.is_none()
+        self.chain().is_some()
     }
 
-    /// One pass of a greedy chain at position `pos`: its input is `host`'s embedding row
-    /// (written by the host), or the previous pass's argmax gathered on the GPU; its own argmax
-    /// is copied into `chain.ids[slot]`.
+    /// The chain's parts, where chains run: resident only (streaming needs the host at every
+    /// router).
+    fn chain(&self) -> Option<&Chain> {
+        self.chain.as_ref().filter(|_| self.streaming.is_none())
+    }
+
+    /// Writes the embedding rows of `tokens` (dequantized on the host into `rows`) as a pass's
+    /// input, and its first position.
+    fn write_inputs(&self, rows: &mut Vec<f32>, tokens: &[u32], pos: usize) {
+        let (h, embed) = (self.cfg.hidden_size, mat(&self.embed));
+        rows.resize(tokens.len() * h, 0.0);
+        for (row, &id) in rows.chunks_exact_mut(h).zip(tokens) {
+            smoe_vault::quant::dequantize_row(embed.dtype, embed.row(id as usize), row);
+        }
+        self.ctx
+            .queue
+            .write_buffer(&self.acts.x, 0, bytemuck::cast_slice(&rows[..]));
+        self.ctx.write_step(&self.step, pos as u32);
+    }
+
+    /// One single-token pass of a greedy chain, as one submission (the position is written):
+    /// its input was written by the host (`from_host`), or is gathered on the GPU from the
+    /// previous pass's argmax; its own argmax is copied into `chain.ids[slot]`.
     fn chain_pass(
         &self,
         chain: &Chain,
         gkv: &GpuKv,
-        pos: usize,
-        host: Option<u32>,
+        from_host: bool,
         slot: usize,
     ) -> Result<wgpu::SubmissionIndex, EngineError> {
-        let q = &self.ctx.queue;
-        if let Some(id) = host {
-            let embed = mat(&self.embed);
-            let mut row = vec![0f32; self.cfg.hidden_size];
-            smoe_vault::quant::dequantize_row(embed.dtype, embed.row(id as usize), &mut row);
-            q.write_buffer(&self.acts.x, 0, bytemuck::cast_slice(&row));
-        }
-        self.ctx.write_step(&self.step, pos as u32);
         let (layers, head) = &self.batches[0];
-        let mut from = 0;
-        loop {
-            let mut enc = self.ctx.encoder();
-            let stop;
-            {
-                let pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                    label: Some("forward"),
-                    timestamp_writes: None,
-                });
-                let mut r = Recorder::new(pass, None, false, false);
-                if from == 0 && host.is_none() {
-                    r.step("embedding", &chain.gather);
-                }
-                stop = self.record_layers(&mut r, layers, gkv, 1, from, false, usize::MAX);
-                if stop == Stop::End {
-                    head.record_last(&mut r, true);
-                }
+        let mut enc = self.ctx.encoder();
+        {
+            let pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some("forward"),
+                timestamp_writes: None,
+            });
+            let mut r = Recorder::new(pass, None, false, false);
+            if !from_host {
+                r.step("embedding", &chain.gather);
             }
-            match stop {
-                Stop::End => {
-                    chain.ids[slot].copy(&mut enc, &self.acts.argmax, 4);
-                    return Ok(q.submit([enc.finish()]));
-                }
-                Stop::Layer(next) => {
-                    q.submit([enc.finish()]);
-                    from = next;
-                }
-                Stop::Route(l) => {
-                    return Err(EngineError::Backend(format!(
-                        "GPU: a greedy chain stopped at layer {l}'s router"
-                    )))
-                }
+            // Whole: no submission boundaries, and no router stops (chains are resident).
+            let stop = self.record_layers(&mut r, layers, gkv, 1, 0, false, usize::MAX);
+            if stop != Stop::End {
+                return Err(EngineError::Backend(
+                    "GPU: a greedy chain's pass stopped before its end".into(),
+                ));
             }
+            head.record_last(&mut r, true);
         }
+        chain.ids[slot].copy(&mut enc, &self.acts.argmax, 4);
+        Ok(self.ctx.queue.submit([enc.finish()]))
     }
 
     /// The first MoE layer after `l`.
