@@ -76,7 +76,15 @@ fn main() {
             (128, 64, 32),
             (64, 64, 16),
         ] {
-            tunings.push(MatMulTuning { bm, bn, bk });
+            tunings.push(MatMulTuning {
+                coop: false,
+                bm,
+                bn,
+                bk,
+            });
+        }
+        if ctx.has_matrix_units() {
+            tunings.extend([16, 32, 48, 64].map(MatMulTuning::coop));
         }
         println!("prefill GEMM tile sweep:");
         for shape in shapes.iter().filter(|s| s.tokens > 0) {

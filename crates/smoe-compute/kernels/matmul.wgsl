@@ -7,8 +7,8 @@
 // token tile) rather than per expert, so that a popular expert's tiles run in parallel: with
 // skewed routing one workgroup looping over an expert's hundreds of slots left the GPU idle.
 //
-// A register-tiled f32 GEMM (no subgroup operations, so any subgroup size works, and no tensor
-// cores: wgpu 30 offers none on NVIDIA). A workgroup owns BM weight rows × BN tokens; each
+// A register-tiled f32 GEMM (no subgroup operations, so any subgroup size works; on adapters with
+// 16 × 16 f16 cooperative matrices matmul_coop.wgsl runs the same products on the matrix units). A workgroup owns BM weight rows × BN tokens; each
 // invocation holds an 8-row × 4-token block of sums in registers. Per K-step of BK columns the
 // weight tile is dequantized once into workgroup memory (so each weight is decoded once per BN
 // tokens, not once per token as in matvec) and the x tile staged beside it; the next step's raw
@@ -112,14 +112,6 @@ fn wrow(wbase: u32, r0: u32, i: u32) -> u32 {
     return wbase + row * p.row_stride + up;
 }
 
-// Column of step position pos (pos a multiple of 4; the 4 columns from there are consecutive).
-fn column(pos: u32) -> u32 {
-    if DTYPE == 2u {
-        return (pos & ~0x30u) | ((pos & 0x10u) << 1u) | ((pos & 0x20u) >> 1u);
-    }
-    return pos;
-}
-
 // Issues the global loads of the step at position c0.
 fn load_step(li: u32, c0: u32, wbase: u32, r0: u32) {
     for (var n = 0u; n < WP; n++) {
@@ -174,38 +166,8 @@ fn store_step(li: u32, c0: u32) {
             let i = d % BM;
             let kk = (d / BM) * PV;
             let p0 = c0 + kk;
-            let q = wraw[n];
-            let pw = wpar[n];
-            switch DTYPE {
-                case 0u: {
-                    // bf16 → f32 is a 16-bit shift; word j holds positions 2j, 2j + 1.
-                    put4(kk, i, bitcast<vec4<f32>>(vec4<u32>(q.x << 16u, q.x & 0xffff0000u, q.y << 16u, q.y & 0xffff0000u)));
-                    put4(kk + 4u, i, bitcast<vec4<f32>>(vec4<u32>(q.z << 16u, q.z & 0xffff0000u, q.w << 16u, q.w & 0xffff0000u)));
-                }
-                case 1u: {
-                    let dq = unpack2x16float(pw)[(p0 / 64u) % 2u];
-                    for (var j = 0u; j < 4u; j++) {
-                        put4(kk + 4u * j, i, dq * vec4<f32>(unpack4xI8(q[j])));
-                    }
-                }
-                case 2u: {
-                    // Positions p0.. are the low (or, for odd p0 / 16, high) nibbles of the chunk.
-                    let dq = unpack2x16float(pw)[(p0 / 64u) % 2u];
-                    let sh = 4u * ((p0 / 16u) % 2u);
-                    for (var j = 0u; j < 4u; j++) {
-                        let c = vec4<f32>(unpack4xU8((q[j] >> sh) & 0x0f0f0f0fu));
-                        put4(kk + 4u * j, i, dq * (c - 8.0));
-                    }
-                }
-                default: {
-                    // q2: positions p0.. are bits 2i..2i+2 of the group's 16 bytes, i = p0 / 16 % 4.
-                    let dm = unpack2x16float(pw);
-                    let sh = 2u * ((p0 / 16u) % 4u);
-                    for (var j = 0u; j < 4u; j++) {
-                        let c = vec4<f32>(unpack4xU8((q[j] >> sh) & 0x03030303u));
-                        put4(kk + 4u * j, i, dm.x * c + dm.y);
-                    }
-                }
+            for (var j = 0u; j < PV / 4u; j++) {
+                put4(kk + 4u * j, i, dequant4(wraw[n], wpar[n], p0, j));
             }
         }
     }

@@ -31,6 +31,50 @@ pub struct GpuInfo {
     pub features: wgpu::Features,
     pub limits: wgpu::Limits,
     pub bounds_checks: bool,
+    /// Why the prefill GEMMs do or do not run on the matrix units (see `MatrixUnits`).
+    pub matrix_units: MatrixUnits,
+}
+
+/// Whether the prefill GEMMs use the matrix units (tensor cores): `kernels/matmul_coop.wgsl`,
+/// 16 × 16 × 16 f16 cooperative matrices with f32 sums, needs the adapter to list that
+/// configuration, to run subgroups of exactly 32 invocations (NVIDIA's Vulkan driver does; Metal
+/// offers only 8 × 8, lavapipe none) and to take passthrough SPIR-V (see `spirv.rs` for why).
+/// `SMOE_MATRIX_UNITS=0` turns them off.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MatrixUnits {
+    Used,
+    /// Not used, and why.
+    Unused(String),
+}
+
+impl MatrixUnits {
+    fn probe(adapter: &wgpu::Adapter) -> Self {
+        use wgpu::CooperativeScalarType as T;
+        let info = adapter.get_info();
+        let off = std::env::var("SMOE_MATRIX_UNITS").is_ok_and(|v| v == "0");
+        let f16_config = adapter.cooperative_matrix_properties().iter().any(|c| {
+            (c.m_size, c.n_size, c.k_size) == (16, 16, 16)
+                && c.ab_type == T::F16
+                && c.cr_type == T::F32
+        });
+        let need = wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX | wgpu::Features::SHADER_F16;
+        let passthrough = info.backend == wgpu::Backend::Vulkan
+            && adapter
+                .features()
+                .contains(wgpu::Features::PASSTHROUGH_SHADERS);
+        let why = if off {
+            "SMOE_MATRIX_UNITS=0"
+        } else if !adapter.features().contains(need) || !f16_config {
+            "the adapter offers no 16x16x16 f16 cooperative matrices"
+        } else if (info.subgroup_min_size, info.subgroup_max_size) != (32, 32) {
+            "the kernel needs subgroups of exactly 32"
+        } else if !passthrough {
+            "the kernel needs Vulkan passthrough shaders"
+        } else {
+            return MatrixUnits::Used;
+        };
+        MatrixUnits::Unused(why.into())
+    }
 }
 
 impl fmt::Display for GpuInfo {
@@ -73,11 +117,15 @@ impl fmt::Display for GpuInfo {
             l.max_compute_invocations_per_workgroup,
             l.max_compute_workgroups_per_dimension
         )?;
-        write!(
+        writeln!(
             f,
             "shader bounds checks: {}",
             if self.bounds_checks { "on" } else { "off" }
-        )
+        )?;
+        match &self.matrix_units {
+            MatrixUnits::Used => write!(f, "matrix units (prefill GEMMs): f16 16x16x16, f32 sums"),
+            MatrixUnits::Unused(why) => write!(f, "matrix units (prefill GEMMs): not used ({why})"),
+        }
     }
 }
 
@@ -124,7 +172,12 @@ impl GpuContext {
             | wgpu::Features::SHADER_F16
             | wgpu::Features::TIMESTAMP_QUERY
             | wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES;
-        let features = have & wanted;
+        let matrix_units = MatrixUnits::probe(&adapter);
+        let mut features = have & wanted;
+        if matrix_units == MatrixUnits::Used {
+            features |= wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX
+                | wgpu::Features::PASSTHROUGH_SHADERS;
+        }
         // Everything the adapter offers: big weight bindings and workgroup memory matter here.
         let limits = adapter.limits();
         let (device, queue) = adapter
@@ -132,6 +185,14 @@ impl GpuContext {
                 label: Some("smoe"),
                 required_features: features,
                 required_limits: limits.clone(),
+                // SAFETY: the one experimental feature requested is cooperative matrices, used
+                // only by matmul_coop.wgsl, whose every variant the GPU tests check against the
+                // CPU on an adapter that has them.
+                experimental_features: if matrix_units == MatrixUnits::Used {
+                    unsafe { wgpu::ExperimentalFeatures::enabled() }
+                } else {
+                    wgpu::ExperimentalFeatures::disabled()
+                },
                 ..Default::default()
             })
             .await
@@ -141,6 +202,7 @@ impl GpuContext {
             features,
             limits,
             bounds_checks,
+            matrix_units,
         };
         Ok(GpuContext {
             device,
@@ -157,6 +219,11 @@ impl GpuContext {
 
     pub fn limits(&self) -> &wgpu::Limits {
         &self.info.limits
+    }
+
+    /// Whether the prefill GEMMs can run on the matrix units (`MatrixUnits`).
+    pub fn has_matrix_units(&self) -> bool {
+        self.info.matrix_units == MatrixUnits::Used
     }
 
     /// The compute pipeline of `kernel` (a file in `kernels/`) specialised by `constants`
@@ -194,6 +261,90 @@ impl GpuContext {
                 kernel: kernel.into(),
                 msg: e.to_string(),
             });
+        }
+        self.pipelines.lock().unwrap().insert(key, pipeline.clone());
+        Ok(pipeline)
+    }
+
+    /// Like `pipeline`, but compiled to SPIR-V by `spirv::compile` (with its memory-model fix)
+    /// and handed to the driver as is; `bindings` is group 0's layout, binding i of type
+    /// `bindings[i]` (a passthrough module cannot be reflected). Vulkan only.
+    pub fn pipeline_spirv(
+        &self,
+        kernel: &'static str,
+        constants: &[(&'static str, f64)],
+        bindings: &[wgpu::BufferBindingType],
+    ) -> Result<wgpu::ComputePipeline, GpuError> {
+        let key: PipelineKey = (
+            kernel,
+            constants.iter().map(|(k, v)| (*k, v.to_bits())).collect(),
+        );
+        if let Some(p) = self.pipelines.lock().unwrap().get(&key) {
+            return Ok(p.clone());
+        }
+        let fail = |msg: String| GpuError::Kernel {
+            kernel: kernel.into(),
+            msg,
+        };
+        let src = kernels::kernel_source(kernel).ok_or_else(|| fail("no such kernel".into()))?;
+        let words =
+            super::spirv::compile(&src, constants, self.info.bounds_checks).map_err(fail)?;
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let entries: Vec<wgpu::BindGroupLayoutEntry> = bindings
+            .iter()
+            .enumerate()
+            .map(|(i, ty)| wgpu::BindGroupLayoutEntry {
+                binding: i as u32,
+                visibility: wgpu::ShaderStages::COMPUTE,
+                ty: wgpu::BindingType::Buffer {
+                    ty: *ty,
+                    has_dynamic_offset: false,
+                    min_binding_size: None,
+                },
+                count: None,
+            })
+            .collect();
+        let bgl = self
+            .device
+            .create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                label: Some(kernel),
+                entries: &entries,
+            });
+        let layout = self
+            .device
+            .create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                label: Some(kernel),
+                bind_group_layouts: &[Some(&bgl)],
+                immediate_size: 0,
+            });
+        // SAFETY: the words are naga's validated translation of our WGSL, changed only in the
+        // declared memory model (spirv.rs); the layout above is the kernel's bindings.
+        let module = unsafe {
+            self.device
+                .create_shader_module_passthrough(wgpu::ShaderModuleDescriptorPassthrough {
+                    label: Some(kernel),
+                    entry_points: std::borrow::Cow::Owned(vec![
+                        wgpu::PassthroughShaderEntryPoint {
+                            name: "main".into(),
+                            workgroup_size: (128, 1, 1),
+                        },
+                    ]),
+                    spirv: Some(std::borrow::Cow::Owned(words)),
+                    ..Default::default()
+                })
+        };
+        let pipeline = self
+            .device
+            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(kernel),
+                layout: Some(&layout),
+                module: &module,
+                entry_point: Some("main"),
+                compilation_options: Default::default(),
+                cache: None,
+            });
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(fail(e.to_string()));
         }
         self.pipelines.lock().unwrap().insert(key, pipeline.clone());
         Ok(pipeline)

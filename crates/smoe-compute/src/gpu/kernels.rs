@@ -1,53 +1,72 @@
 //! The WGSL sources, compiled into the binary. One file per kernel in `kernels/`, each with a
-//! `main` entry point; `common.wgsl` (reductions shared by several kernels) is prepended to those
-//! that use it, since WGSL has no includes.
+//! `main` entry point; shared fragments (`common.wgsl`: workgroup reductions; `gemm_dequant.wgsl`:
+//! the GEMMs' weight decoding) are prepended to the kernels that use them, since WGSL has no
+//! includes.
 
 const COMMON: &str = include_str!("../../kernels/common.wgsl");
+const GEMM_DEQUANT: &str = include_str!("../../kernels/gemm_dequant.wgsl");
 
-/// (name, source, needs common.wgsl)
-const KERNELS: &[(&str, &str, bool)] = &[
-    ("matvec", include_str!("../../kernels/matvec.wgsl"), false),
-    ("matmul", include_str!("../../kernels/matmul.wgsl"), false),
+/// (name, source, fragments prepended to it)
+const KERNELS: &[(&str, &str, &[&str])] = &[
+    ("matvec", include_str!("../../kernels/matvec.wgsl"), &[]),
+    (
+        "matmul",
+        include_str!("../../kernels/matmul.wgsl"),
+        &[GEMM_DEQUANT],
+    ),
+    (
+        "matmul_coop",
+        include_str!("../../kernels/matmul_coop.wgsl"),
+        &[GEMM_DEQUANT],
+    ),
     (
         "expert_sort",
         include_str!("../../kernels/expert_sort.wgsl"),
-        false,
+        &[],
     ),
     (
         "rms_norm",
         include_str!("../../kernels/rms_norm.wgsl"),
-        true,
+        &[COMMON],
     ),
     (
         "qk_norm_rope",
         include_str!("../../kernels/qk_norm_rope.wgsl"),
-        true,
+        &[COMMON],
     ),
     (
         "attn_decode",
         include_str!("../../kernels/attn_decode.wgsl"),
-        true,
+        &[COMMON],
     ),
     (
         "attn_prefill",
         include_str!("../../kernels/attn_prefill.wgsl"),
-        false,
+        &[],
     ),
     (
         "attn_combine",
         include_str!("../../kernels/attn_combine.wgsl"),
-        false,
+        &[],
     ),
-    ("router", include_str!("../../kernels/router.wgsl"), true),
+    (
+        "router",
+        include_str!("../../kernels/router.wgsl"),
+        &[COMMON],
+    ),
     (
         "weighted_sum",
         include_str!("../../kernels/weighted_sum.wgsl"),
-        false,
+        &[],
     ),
-    ("argmax", include_str!("../../kernels/argmax.wgsl"), true),
-    ("copy", include_str!("../../kernels/copy.wgsl"), false),
-    ("embed", include_str!("../../kernels/embed.wgsl"), false),
-    ("eltwise", include_str!("../../kernels/eltwise.wgsl"), false),
+    (
+        "argmax",
+        include_str!("../../kernels/argmax.wgsl"),
+        &[COMMON],
+    ),
+    ("copy", include_str!("../../kernels/copy.wgsl"), &[]),
+    ("embed", include_str!("../../kernels/embed.wgsl"), &[]),
+    ("eltwise", include_str!("../../kernels/eltwise.wgsl"), &[]),
 ];
 
 /// Every kernel's name (for the Metal translation test and `smoe info`).
@@ -57,10 +76,16 @@ pub fn kernel_names() -> Vec<&'static str> {
 
 /// The full WGSL of `name`, as handed to the device.
 pub fn kernel_source(name: &str) -> Option<String> {
-    let (_, src, common) = KERNELS.iter().find(|k| k.0 == name)?;
-    Some(if *common {
-        format!("{COMMON}\n{src}")
-    } else {
-        src.to_string()
-    })
+    let (_, src, fragments) = KERNELS.iter().find(|k| k.0 == name)?;
+    // A kernel's `enable` directives must come before any declaration: they stay first.
+    let (enables, body): (Vec<&str>, Vec<&str>) =
+        src.lines().partition(|l| l.starts_with("enable "));
+    let mut out = enables.join("\n");
+    for f in fragments.iter() {
+        out.push('\n');
+        out.push_str(f);
+    }
+    out.push('\n');
+    out.push_str(&body.join("\n"));
+    Some(out)
 }

@@ -1,10 +1,12 @@
 //! Wrapper of `kernels/matmul.wgsl`: token-batched matrix multiply for prefill, dense, gated
 //! (silu(G·x)·(U·x)) and grouped by expert (after an `ExpertSort`). Reads each weight tile once
 //! per tile of tokens, where `MatVec` reads it once per ≤ 8 tokens (and once per slot for
-//! experts).
+//! experts). Where the adapter has matrix units (`GpuContext::has_matrix_units`) the product
+//! runs on them (`kernels/matmul_coop.wgsl`: f16 inputs, f32 sums); elsewhere, and by choice,
+//! on the f32 ALUs (`kernels/matmul.wgsl`).
 
 use super::buffers::{Binding, BufRef};
-use super::context::{GpuContext, GpuError};
+use super::context::{GpuContext, GpuError, MatrixUnits};
 use super::expert_sort::ExpertSort;
 use super::matvec::WeightRef;
 use super::parts::split_rows;
@@ -39,10 +41,13 @@ pub struct MatMulDesc<'a> {
     pub grouped: Option<MatMulGrouped<'a>>,
 }
 
-/// Workgroup tile of the GEMM. Each invocation computes 8 rows × 4 tokens, so a workgroup has
-/// `bm / 8 · bn / 4` invocations; workgroup memory is `4 · bk · (bm + bn)` bytes plus 8 per token.
+/// Workgroup tile of the GEMM. f32 kernel: each invocation computes 8 rows × 4 tokens, so a
+/// workgroup has `bm / 8 · bn / 4` invocations; workgroup memory is `4 · bk · (bm + bn)` bytes
+/// plus 8 per token. Matrix units (`coop`): 128 invocations, `bm` 128 and `bk` 32 only.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MatMulTuning {
+    /// On the matrix units (f16 inputs, f32 sums) instead of the f32 ALUs.
+    pub coop: bool,
     /// Weight rows per tile: 64 or 128 (gated: half gate rows, half the matching up rows).
     pub bm: u32,
     /// Tokens (grouped: slots of one expert) per tile: a multiple of 16, at most 128.
@@ -52,19 +57,41 @@ pub struct MatMulTuning {
 }
 
 impl MatMulTuning {
-    /// What `MatMul::new` uses for `d`: 128-row tiles, 16-column steps, and a token tile that
-    /// fits the tokens: up to 64 dense; grouped, the sort's tile (which must match), normally
-    /// `grouped_bn`. At most 256 invocations and 12.5 KiB of workgroup memory: within WebGPU's
-    /// default limits, so valid on every device.
-    pub fn default_for(d: &MatMulDesc) -> Self {
+    /// What `MatMul::new` uses for `d`: 128-row tiles and a token tile that fits the tokens: up
+    /// to 64 dense; grouped, the sort's tile (which must match), normally `grouped_bn`. On the
+    /// matrix units where the device has them (32-column steps), else on the f32 ALUs with
+    /// 16-column steps: at most 256 invocations and 12.5 KiB of workgroup memory, within
+    /// WebGPU's default limits, so valid on every device.
+    pub fn default_for(ctx: &GpuContext, d: &MatMulDesc) -> Self {
         let bn = match d.grouped {
             Some(g) => g.sort.tile() as u32,
             None => Self::fit_bn(d.n_tokens as f64),
         };
+        let coop = ctx.has_matrix_units() && bn <= 64;
         MatMulTuning {
+            coop,
             bm: 128,
             bn,
+            bk: if coop { 32 } else { 16 },
+        }
+    }
+
+    /// The f32 kernel's tile with the same token tile (16-column steps).
+    pub fn on_alus(self) -> Self {
+        MatMulTuning {
+            coop: false,
             bk: 16,
+            ..self
+        }
+    }
+
+    /// The matrix-unit tile with `bn` tokens.
+    pub fn coop(bn: u32) -> Self {
+        MatMulTuning {
+            coop: true,
+            bm: 128,
+            bn,
+            bk: 32,
         }
     }
 
@@ -84,15 +111,49 @@ impl MatMulTuning {
 
     /// Workgroup memory the kernel declares with this tile.
     pub fn workgroup_bytes(&self) -> u64 {
-        4 * self.bk as u64 * (self.bm + self.bn) as u64 + 8 * self.bn as u64 + 8
+        let (bm, bn, bk) = (self.bm as u64, self.bn as u64, self.bk as u64);
+        match self.coop {
+            // f16 tiles (w, x high, x low) with 8 columns of padding, 4 subgroups × 2 parked
+            // 16 × 16 f32 blocks.
+            true => 2 * (bk + 8) * (bm + 2 * bn) + 4 * 2048 + 8 * bn + 16,
+            false => 4 * bk * (bm + bn) + 8 * bn + 8,
+        }
     }
 
     fn invocations(&self) -> u32 {
-        self.bm / 8 * (self.bn / 4)
+        match self.coop {
+            true => 128,
+            false => self.bm / 8 * (self.bn / 4),
+        }
     }
 
     fn check(&self, ctx: &GpuContext, dtype: DType) -> Result<(), String> {
         let l = ctx.limits();
+        if self.coop {
+            if !ctx.has_matrix_units() {
+                return Err(format!(
+                    "tile {self:?}: the matrix units are not available ({})",
+                    match &ctx.info().matrix_units {
+                        MatrixUnits::Unused(why) => why.as_str(),
+                        MatrixUnits::Used => "",
+                    }
+                ));
+            }
+            if self.bm != 128 || self.bk != 32 || self.bn % 16 != 0 || !(16..=64).contains(&self.bn)
+            {
+                return Err(format!(
+                    "tile {self:?}: on the matrix units bm 128, bk 32, bn 16..=64 by 16"
+                ));
+            }
+            if self.workgroup_bytes() > l.max_compute_workgroup_storage_size as u64 {
+                return Err(format!(
+                    "tile {self:?}: {} bytes of workgroup memory, the device has {}",
+                    self.workgroup_bytes(),
+                    l.max_compute_workgroup_storage_size
+                ));
+            }
+            return Ok(());
+        }
         // A group of 32 invocations covers 8 × 4 (row, token) blocks: bm / 8 and bn / 4 are
         // multiples of 8 and 4.
         if !matches!(self.bm, 64 | 128)
@@ -172,7 +233,7 @@ pub struct MatMul {
 
 impl MatMul {
     pub fn new(ctx: &GpuContext, d: &MatMulDesc) -> Result<Self, GpuError> {
-        Self::with_tuning(ctx, d, MatMulTuning::default_for(d))
+        Self::with_tuning(ctx, d, MatMulTuning::default_for(ctx, d))
     }
 
     /// The tile this product runs with.
@@ -220,17 +281,44 @@ impl MatMul {
             ));
         }
         let gated = d.up_offset.is_some();
-        let pipeline = ctx.pipeline(
-            "matmul",
-            &[
-                ("DTYPE", dtype_code(w.dtype)?),
-                ("BM", tune.bm as f64),
-                ("BN", tune.bn as f64),
-                ("BK", tune.bk as f64),
-                ("GATED", gated as u8 as f64),
-                ("GROUPED", d.grouped.is_some() as u8 as f64),
-            ],
-        )?;
+        let (flag, grouped) = (gated as u8 as f64, d.grouped.is_some() as u8 as f64);
+        let pipeline = match tune.coop {
+            true => {
+                use wgpu::BufferBindingType::{Storage, Uniform};
+                let read = Storage { read_only: true };
+                let consts = [
+                    ("DTYPE", dtype_code(w.dtype)?),
+                    ("BN", tune.bn as f64),
+                    ("GATED", flag),
+                    ("GROUPED", grouped),
+                ];
+                ctx.pipeline_spirv(
+                    "matmul_coop",
+                    &consts,
+                    // params, w, x, y, starts, perm, units
+                    &[
+                        Uniform,
+                        read,
+                        read,
+                        Storage { read_only: false },
+                        read,
+                        read,
+                        read,
+                    ],
+                )?
+            }
+            false => ctx.pipeline(
+                "matmul",
+                &[
+                    ("DTYPE", dtype_code(w.dtype)?),
+                    ("BM", tune.bm as f64),
+                    ("BN", tune.bn as f64),
+                    ("BK", tune.bk as f64),
+                    ("GATED", flag),
+                    ("GROUPED", grouped),
+                ],
+            )?,
+        };
         let stride = w.dtype.row_stride(w.cols) as u64;
         let (xb, x_off) =
             d.x.bind(ctx, "matmul x", n_slots.div_ceil(x_div) * w.cols, 16)?;

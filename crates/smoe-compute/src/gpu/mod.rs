@@ -24,12 +24,13 @@ mod matvec;
 mod ops;
 mod parts;
 mod router;
+mod spirv;
 mod timestamps;
 
 pub use attention::{AttnDesc, DecodeAttention, QkNormRope, QkNormRopeDesc};
 pub use attn_prefill::{PrefillAttention, PrefillAttnTuning, PREFILL_MAX_HEAD_DIM};
 pub use buffers::{BufRef, StepParams};
-pub use context::{GpuContext, GpuError, GpuInfo};
+pub use context::{GpuContext, GpuError, GpuInfo, MatrixUnits};
 pub use embed::EmbedGather;
 pub use expert_sort::{ExpertSort, SORT_MAX_EXPERTS, SORT_MAX_SLOTS};
 pub use kernels::{kernel_names, kernel_source};

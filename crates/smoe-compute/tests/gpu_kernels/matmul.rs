@@ -1,6 +1,8 @@
 //! Prefill GEMM (dense, gated, grouped by expert) against `cpu::matmul` on the same stored
 //! bytes, and the expert sort (and its work list of token tiles) against a stable counting
-//! sort, exactly.
+//! sort, exactly. On an adapter with matrix units every test also runs the tensor-core kernel
+//! (`MatMul::new`'s default there, and the `coop` tiles of `tunings`); CI's lavapipe has none,
+//! so there only the f32 kernel runs.
 
 use super::{assert_close, gpu, nan_buffer, rand_vec};
 use smoe_compute::cpu::{matmul, ops::silu_mul, QMatRef};
@@ -23,8 +25,32 @@ const TUNINGS: [(u32, u32, u32); 7] = [
     (128, 16, 16),
 ];
 
-fn tuning((bm, bn, bk): (u32, u32, u32)) -> Option<MatMulTuning> {
-    Some(MatMulTuning { bm, bn, bk })
+/// The f32 kernel's tiles of `TUNINGS`; with matrix units also theirs at every token width.
+fn tunings(ctx: &GpuContext) -> Vec<MatMulTuning> {
+    let mut v: Vec<MatMulTuning> = TUNINGS
+        .iter()
+        .map(|&(bm, bn, bk)| MatMulTuning {
+            coop: false,
+            bm,
+            bn,
+            bk,
+        })
+        .collect();
+    if ctx.has_matrix_units() {
+        v.extend([16, 32, 48, 64].map(MatMulTuning::coop));
+    }
+    v
+}
+
+/// NMSE allowed against the CPU twin: f32 products differ only in summation order; on the
+/// matrix units the weights are rounded to f16 first (bf16 exact, quantized d·c within 2⁻¹²;
+/// x keeps ~22 bits as two f16 halves), ~1e-8 — 1e-6 leaves room for a few-output case.
+fn tolerance(t: MatMulTuning) -> f64 {
+    if t.coop {
+        1e-6
+    } else {
+        1e-9
+    }
 }
 
 /// `MatMul::new` (its default tile) or `with_tuning`.
@@ -220,7 +246,7 @@ fn run_dense(ctx: &GpuContext, c: &Dense, tune: Option<MatMulTuning>) {
         mm.tuning()
     );
     let got = ctx.read_f32(&ybuf, 64, nt * rows).unwrap();
-    assert_close(&what, &got, &want, 1e-9);
+    assert_close(&what, &got, &want, tolerance(mm.tuning()));
     let outside = [
         ctx.read_f32(&ybuf, 0, 16).unwrap(),
         ctx.read_f32(&ybuf, 64 + 4 * (nt * rows) as u64, 16)
@@ -260,7 +286,7 @@ fn matmul_dense_all_dtypes() {
 fn matmul_tunings_agree() {
     // Odd rows (a partial row tile) and tokens (a partial token tile) under every tile shape.
     let Some(ctx) = gpu() else { return };
-    for (i, t) in TUNINGS.into_iter().enumerate() {
+    for (i, t) in tunings(ctx).into_iter().enumerate() {
         for dtype in DTYPES {
             for (rows, cols, nt, gated) in [(77, 320, 37, false), (130, 192, 129, true)] {
                 let c = Dense {
@@ -271,7 +297,7 @@ fn matmul_tunings_agree() {
                     gated,
                     seed: 1000 + 10 * i as u64 + rows as u64,
                 };
-                run_dense(ctx, &c, tuning(t));
+                run_dense(ctx, &c, Some(t));
             }
         }
     }
@@ -399,7 +425,7 @@ fn run_grouped(ctx: &GpuContext, c: &Group, tune: Option<MatMulTuning>) {
         mm.tuning()
     );
     let got = ctx.read_f32(&ybuf, 0, n_slots * rows).unwrap();
-    assert_close(&what, &got, &want, 1e-9);
+    assert_close(&what, &got, &want, tolerance(mm.tuning()));
     let tail = ctx
         .read_f32(&ybuf, 4 * (n_slots * rows) as u64, 16)
         .unwrap();
@@ -470,7 +496,7 @@ fn matmul_grouped_skewed_routing() {
             run_grouped(ctx, &c, None);
         }
     }
-    for (i, t) in TUNINGS.into_iter().enumerate() {
+    for (i, t) in tunings(ctx).into_iter().enumerate() {
         let seed = 1900 + 10 * i as u64;
         let c = Group {
             dtype: DTYPES[(i + 1) % 4],
@@ -482,14 +508,14 @@ fn matmul_grouped_skewed_routing() {
             gated: i % 2 == 0,
             seed,
         };
-        run_grouped(ctx, &c, tuning(t));
+        run_grouped(ctx, &c, Some(t));
     }
 }
 
 #[test]
 fn matmul_grouped_tunings_and_edge_cases() {
     let Some(ctx) = gpu() else { return };
-    for (i, t) in TUNINGS.into_iter().enumerate() {
+    for (i, t) in tunings(ctx).into_iter().enumerate() {
         let dtype = DTYPES[i % 4];
         let gated = i % 3 != 1;
         let seed = 900 + 10 * i as u64;
@@ -503,7 +529,7 @@ fn matmul_grouped_tunings_and_edge_cases() {
             gated,
             seed,
         };
-        run_grouped(ctx, &c, tuning(t));
+        run_grouped(ctx, &c, Some(t));
     }
     // One slot; one expert; one row.
     for (ids, n_mats, rows) in [(vec![2], 3, 10), (vec![0, 0, 0], 1, 1)] {
@@ -567,6 +593,7 @@ fn matmul_rejects_bad_shapes_with_messages() {
         Err(e) => e.to_string(),
     };
     let t = MatMulTuning {
+        coop: false,
         bm: 128,
         bn: 64,
         bk: 16,
@@ -580,12 +607,24 @@ fn matmul_rejects_bad_shapes_with_messages() {
     let bad = MatMulTuning { bm: 96, ..t };
     assert!(msg(&desc(DType::Q4, 8, 64, 1), bad).contains("tile"));
     let big = MatMulTuning {
+        coop: false,
         bm: 128,
         bn: 128,
         bk: 32,
     };
     if big.workgroup_bytes() > ctx.limits().max_compute_workgroup_storage_size as u64 {
         assert!(msg(&desc(DType::Q4, 8, 64, 1), big).contains("workgroup memory"));
+    }
+    // The matrix units: only where the adapter has them, and only their tile shape.
+    let coop = MatMulTuning::coop(64);
+    if ctx.has_matrix_units() {
+        let m = msg(&desc(DType::Q4, 8, 64, 1), MatMulTuning { bk: 16, ..coop });
+        assert!(m.contains("on the matrix units"), "{m}");
+        let m = msg(&desc(DType::Q4, 8, 64, 1), MatMulTuning::coop(80));
+        assert!(m.contains("on the matrix units"), "{m}");
+    } else {
+        let m = msg(&desc(DType::Q4, 8, 64, 1), coop);
+        assert!(m.contains("matrix units are not available"), "{m}");
     }
     // Grouped: the GEMM's token tile must be the one the sort's work list was cut into.
     let ids = ctx.upload("ids", bytemuck::cast_slice(&[0u32, 1, 1, 0]));

@@ -310,6 +310,7 @@ impl fmt::Display for BenchReport {
         }
         for r in self.rows.iter().filter(|r| r.tokens > 0) {
             let kernel = match (r.gemm, r.attn) {
+                (Some(t), _) if t.coop => format!("matmul tc {}x{}x{}", t.bm, t.bn, t.bk),
                 (Some(t), _) => format!("matmul {}x{}x{}", t.bm, t.bn, t.bk),
                 (_, Some(t)) => format!("{} {}x{}", r.kernel, t.rows, t.dims),
                 _ => r.kernel.to_string(),
@@ -387,7 +388,12 @@ pub fn bench_kernels(
             let first = tunings.first().copied().unwrap_or_default();
             for &dtype in dtypes {
                 let host = host_weights(shape, dtype);
-                for kernel in [Kernel::MatVec(first), Kernel::MatMul(None)] {
+                let mut kernels = vec![Kernel::MatVec(first), Kernel::MatMul(None)];
+                if ctx.has_matrix_units() {
+                    // Both GEMMs, to compare in one run.
+                    kernels.push(Kernel::MatMulAlu);
+                }
+                for kernel in kernels {
                     run_prefill(ctx, &timer, shape, dtype, kernel, &host, iters, copy_gbps)
                         .map(|r| rows.push(r))
                         .unwrap_or_else(|e| errors.push(e));
@@ -478,7 +484,7 @@ fn run_prefill(
         .map_err(|e| format!("{} {dtype} {kernel:?}: {e}", shape.name))?;
     let (name, tuning, flops) = match kernel {
         Kernel::MatVec(t) => ("matvec", t, shape.flops()),
-        Kernel::MatMul(_) => ("matmul", MatVecTuning::default(), shape.flops()),
+        Kernel::MatMul(_) | Kernel::MatMulAlu => ("matmul", MatVecTuning::default(), shape.flops()),
         Kernel::Sort => ("expert_sort", MatVecTuning::default(), 0),
     };
     Ok(BenchRow {

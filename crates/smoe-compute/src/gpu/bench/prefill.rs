@@ -18,6 +18,8 @@ pub(super) enum Kernel {
     MatVec(MatVecTuning),
     /// `None`: the tile `MatMul::new` picks.
     MatMul(Option<MatMulTuning>),
+    /// The f32 kernel's default tile, even where `MatMul::new` would use the matrix units.
+    MatMulAlu,
     Sort,
 }
 
@@ -189,6 +191,24 @@ pub(super) fn bench_prefill(
                     Some(t) => MatMul::with_tuning(ctx, &d, t)?,
                     None => MatMul::new(ctx, &d)?,
                 };
+                tile = Some(mm.tuning());
+                recs.push(Box::new(move |p| mm.record(p)));
+            }
+            Kernel::MatMulAlu => {
+                let d = MatMulDesc {
+                    w,
+                    up_offset,
+                    x: BufRef::new(&x),
+                    y: BufRef::new(&y),
+                    n_tokens: tokens,
+                    grouped: grouped.then_some(MatMulGrouped {
+                        sort: &sort,
+                        mat_stride: mat_bytes,
+                        x_div,
+                    }),
+                };
+                let t = MatMulTuning::default_for(ctx, &d).on_alus();
+                let mm = MatMul::with_tuning(ctx, &d, t)?;
                 tile = Some(mm.tuning());
                 recs.push(Box::new(move |p| mm.record(p)));
             }

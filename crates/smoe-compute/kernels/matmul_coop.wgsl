@@ -1,0 +1,344 @@
+enable f16;
+enable wgpu_cooperative_matrix;
+
+// Token-batched quantized matrix multiply for prefill on the matrix units (tensor cores):
+// matmul.wgsl's products (dense, GATED, GROUPED by expert; same Params, bindings and work list)
+// with 16 × 16 × 16 f16 cooperative-matrix multiply-adds into f32 sums.
+//
+// Precision: weights are dequantized as in matmul.wgsl, then rounded to f16 (bf16 weights are
+// exact in f16's normal range; a quantized weight d·c carries a relative error below 2^-12). x is
+// split into two f16 halves, x = hi + lo with hi = x cut to 11 significant bits and lo =
+// f16(x - hi), and both are multiplied (two multiply-adds per pair of tiles), so x keeps ~22
+// bits; products and sums are f32. Rounding x
+// to one f16 was measured to be too coarse: emulated on the CPU it moved a fixture's log-probs
+// by up to 4.98 (router choices flip) and 0.026 with the routers kept f32, against 5e-5 with
+// the split. Inputs beyond f16's range (|v| > 65504) would become infinite: the engine's GEMM
+// inputs are normed hidden states, attention outputs and the experts' silu(g)·u.
+//
+// The wrapper uses this kernel only where the adapter lists a 16×16×16 f16 × f16 → f32
+// configuration and runs subgroups of exactly 32 invocations: a workgroup is 4 subgroups.
+//
+// Tile: 128 weight rows × BN tokens, 32-position K-steps. Subgroup s owns row blocks s and s + 4
+// (tile rows 16s.. and 64 + 16s..): GATED, the tile's first 64 rows are gate rows and the next
+// 64 the same rows' up weights, so a subgroup holds both halves of its outputs. Per K-step the
+// weight tile is dequantized once into workgroup memory as f16 (row-major) and the x tile
+// staged beside it (token-major, i.e. the B operand column-major); the next step's raw bytes
+// are loaded into registers before the current step is multiplied, as in matmul.wgsl.
+
+struct Params {
+    rows: u32,
+    cols: u32,
+    n_tok: u32,
+    row_stride: u32,
+    w_off: u32,
+    w_mat_stride: u32,
+    w_up_off: u32,
+    param_word: u32,
+    x_off: u32,
+    x_tok: u32,
+    x_div: u32,
+    y_off: u32,
+    y_tok: u32,
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
+}
+
+override DTYPE: u32 = 2u; // 0 bf16, 1 q8, 2 q4, 3 q2
+override BN: u32 = 64u;   // tokens per tile: 16, 32, 48 or 64
+override GATED: bool = false;
+override GROUPED: bool = false;
+const BM: u32 = 128u;
+const BK: u32 = 32u;
+const WG: u32 = 128u;
+// Output rows per tile.
+override OR: u32 = select(BM, BM / 2u, GATED);
+// Token blocks of 16.
+override NB: u32 = BN / 16u;
+// f16s between tile rows: BK plus 8 of padding, so that the rows' 16-byte pieces spread over
+// the banks.
+const TS: u32 = BK + 8u;
+override PV: u32 = select(16u, 8u, DTYPE == 0u);
+override CPV: u32 = 8u << DTYPE;
+override W_PIECES: u32 = BM * BK / PV;
+override X_PIECES: u32 = BN * BK / 4u;
+override WP: u32 = (W_PIECES + WG - 1u) / WG;
+override XP: u32 = (X_PIECES + WG - 1u) / WG;
+const MAXP: u32 = 4u;
+const INVALID: u32 = 0xffffffffu;
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> w: array<vec4<u32>>;
+@group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> y: array<f32>;
+@group(0) @binding(4) var<storage, read> starts: array<u32>;
+@group(0) @binding(5) var<storage, read> perm: array<u32>;
+@group(0) @binding(6) var<storage, read> units: array<u32>;
+
+// Every workgroup variable is a multiple of 16 bytes (`unit` a vec4, not a vec3): the H200's
+// driver appears to round a cooperative load's address down to 16 bytes, and placed after a
+// 12-byte `unit` the f16 tiles started at 12 mod 16, so loads at non-zero offsets read 6
+// elements early (measured: a load at ws[16] returned ws[10..]). Row strides (TS = 40 halves,
+// 80 bytes) and step offsets (16 halves) keep every load 16-byte aligned from there.
+// Weight tile: row i, step position kk at ws[i * TS + kk].
+var<workgroup> ws: array<f16, BM * TS>;
+// x tile, high and low halves: token t, step position kk at xs[t * TS + kk] and xl[t * TS + kk].
+var<workgroup> xs: array<f16, BN * TS>;
+var<workgroup> xl: array<f16, BN * TS>;
+// Per subgroup, one 16 × 16 block of sums of each of its two row blocks, token-major.
+var<workgroup> cs: array<f32, 2048>;
+var<workgroup> tok: array<u32, BN>;
+var<workgroup> xrow: array<u32, BN>;
+var<workgroup> unit: vec4<u32>;
+
+var<private> wraw: array<vec4<u32>, MAXP>;
+var<private> wpar: array<u32, MAXP>;
+var<private> xraw: array<vec4<f32>, MAXP>;
+
+fn wrow(wbase: u32, r0: u32, i: u32) -> u32 {
+    var o = i;
+    var up = 0u;
+    if GATED && i >= OR {
+        o = i - OR;
+        up = p.w_up_off;
+    }
+    // Rows past the end repeat the last row (their sums are never stored).
+    let row = min(r0 + o, p.rows - 1u);
+    return wbase + row * p.row_stride + up;
+}
+
+fn load_step(li: u32, c0: u32, wbase: u32, r0: u32) {
+    for (var n = 0u; n < WP; n++) {
+        let d = li + n * WG;
+        if d < W_PIECES {
+            let i = d % BM;
+            let p0 = c0 + (d / BM) * PV;
+            var q = vec4<u32>(0u);
+            var pw = 0u;
+            if p0 < p.cols {
+                let rb = wrow(wbase, r0, i);
+                q = w[rb + p0 / CPV];
+                if DTYPE != 0u {
+                    let g = p0 / 64u;
+                    let wi = p.param_word + select(g / 2u, g, DTYPE == 3u);
+                    pw = w[rb + wi / 4u][wi % 4u];
+                }
+            }
+            wraw[n] = q;
+            wpar[n] = pw;
+        }
+    }
+    for (var n = 0u; n < XP; n++) {
+        let d = li + n * WG;
+        if d < X_PIECES {
+            let pos = c0 + 4u * (d / BN);
+            var v = vec4<f32>(0.0);
+            if pos < p.cols {
+                v = x[xrow[d % BN] + column(pos) / 4u];
+            }
+            xraw[n] = v;
+        }
+    }
+}
+
+fn put4(at: u32, v: vec4<f32>) {
+    let h = vec4<f16>(v);
+    ws[at] = h.x;
+    ws[at + 1u] = h.y;
+    ws[at + 2u] = h.z;
+    ws[at + 3u] = h.w;
+}
+
+fn store_step(li: u32, c0: u32) {
+    for (var n = 0u; n < WP; n++) {
+        let d = li + n * WG;
+        if d < W_PIECES {
+            let i = d % BM;
+            let kk = (d / BM) * PV;
+            for (var j = 0u; j < PV / 4u; j++) {
+                put4(i * TS + kk + 4u * j, dequant4(wraw[n], wpar[n], c0 + kk, j));
+            }
+        }
+    }
+    for (var n = 0u; n < XP; n++) {
+        let d = li + n * WG;
+        if d < X_PIECES {
+            let at = (d % BN) * TS + 4u * (d / BN);
+            // hi: x with its mantissa cut to f16's 10 bits (by masking, which no compiler folds
+            // away: f32(f16(x)) was, leaving lo zero); lo: the exact rest, rounded to f16.
+            let hb = bitcast<vec4<f32>>(bitcast<vec4<u32>>(xraw[n]) & vec4<u32>(0xffffe000u));
+            let h = vec4<f16>(hb);
+            let l = vec4<f16>(xraw[n] - hb);
+            xs[at] = h.x;
+            xs[at + 1u] = h.y;
+            xs[at + 2u] = h.z;
+            xs[at + 3u] = h.w;
+            xl[at] = l.x;
+            xl[at + 1u] = l.y;
+            xl[at + 2u] = l.z;
+            xl[at + 3u] = l.w;
+        }
+    }
+}
+
+// Writes token block j's sums, parked in cs: g (row block s) at cb, h (row block s + 4) at
+// cb + 256, element (row m, token n) at n * 16 + m.
+fn store_block(cb: u32, lane: u32, r0: u32, s: u32, j: u32) {
+    for (var e = lane; e < 256u; e += 32u) {
+        let n = e / 16u;
+        let m = e % 16u;
+        let slot = tok[16u * j + n];
+        if slot == INVALID {
+            continue;
+        }
+        let yb = p.y_off + slot * p.y_tok;
+        let o = r0 + 16u * s + m;
+        let g = cs[cb + e];
+        let h = cs[cb + 256u + e];
+        if GATED {
+            if o < p.rows {
+                y[yb + o] = g / (1.0 + exp(-g)) * h;
+            }
+        } else {
+            if o < p.rows {
+                y[yb + o] = g;
+            }
+            if o + 64u < p.rows {
+                y[yb + o + 64u] = h;
+            }
+        }
+    }
+}
+
+@compute @workgroup_size(128)
+fn main(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+    @builtin(subgroup_id) sgid: u32,
+    @builtin(subgroup_invocation_id) lane: u32,
+) {
+    let r0 = wid.x * OR;
+    // The token tile (j0, count, expert), through workgroup memory so that the early return,
+    // the barriers and the cooperative operations under it are provably uniform.
+    if li == 0u {
+        var r = vec4<u32>(wid.y * BN, min(BN, p.n_tok - wid.y * BN), 0u, 0u);
+        if GROUPED {
+            r = vec4<u32>(0u); // past the count: nothing to do
+            if wid.y < units[0] {
+                let u = units[1u + wid.y];
+                let e = u >> 20u;
+                let jb = starts[e] + (u & 0xfffffu) * BN;
+                r = vec4<u32>(jb, min(jb + BN, starts[e + 1u]) - jb, e, 0u);
+            }
+        }
+        unit = r;
+    }
+    let r = workgroupUniformLoad(&unit);
+    if r.y == 0u {
+        return;
+    }
+    let j0 = r.x;
+    let nvalid = r.y;
+    let wbase = p.w_off + r.z * p.w_mat_stride;
+    for (var t = li; t < BN; t += WG) {
+        let j = j0 + min(t, nvalid - 1u);
+        var s = j;
+        if GROUPED {
+            s = perm[j];
+        }
+        tok[t] = select(INVALID, s, t < nvalid);
+        xrow[t] = p.x_off + (s / p.x_div) * p.x_tok;
+    }
+    workgroupBarrier();
+    // Token blocks past the tile's valid tokens are skipped (uniform: nvalid is).
+    let nb = min(NB, (nvalid + 15u) / 16u);
+    var g0 = coop_mat16x16<f32, C>();
+    var g1 = coop_mat16x16<f32, C>();
+    var g2 = coop_mat16x16<f32, C>();
+    var g3 = coop_mat16x16<f32, C>();
+    var h0 = coop_mat16x16<f32, C>();
+    var h1 = coop_mat16x16<f32, C>();
+    var h2 = coop_mat16x16<f32, C>();
+    var h3 = coop_mat16x16<f32, C>();
+    let ts = TS;
+    load_step(li, 0u, wbase, r0);
+    for (var c0 = 0u; c0 < p.cols; c0 += BK) {
+        workgroupBarrier();
+        store_step(li, c0);
+        workgroupBarrier();
+        if c0 + BK < p.cols {
+            load_step(li, c0 + BK, wbase, r0);
+        }
+        for (var kk = 0u; kk < BK; kk += 16u) {
+            // (Every index a `let` of its own: naga's SPIR-V writer wants them evaluated.)
+            let ia = 16u * sgid * TS + kk;
+            let ib = (64u + 16u * sgid) * TS + kk;
+            let a0 = coopLoadT<coop_mat16x16<f16, A>>(&ws[ia], ts);
+            let a1 = coopLoadT<coop_mat16x16<f16, A>>(&ws[ib], ts);
+            let i0 = kk;
+            let b0 = coopLoad<coop_mat16x16<f16, B>>(&xs[i0], ts);
+            let l0 = coopLoad<coop_mat16x16<f16, B>>(&xl[i0], ts);
+            g0 = coopMultiplyAdd(a0, b0, g0);
+            h0 = coopMultiplyAdd(a1, b0, h0);
+            g0 = coopMultiplyAdd(a0, l0, g0);
+            h0 = coopMultiplyAdd(a1, l0, h0);
+            if nb > 1u {
+                let i1 = 16u * TS + kk;
+                let b1 = coopLoad<coop_mat16x16<f16, B>>(&xs[i1], ts);
+                let l1 = coopLoad<coop_mat16x16<f16, B>>(&xl[i1], ts);
+                g1 = coopMultiplyAdd(a0, b1, g1);
+                h1 = coopMultiplyAdd(a1, b1, h1);
+                g1 = coopMultiplyAdd(a0, l1, g1);
+                h1 = coopMultiplyAdd(a1, l1, h1);
+            }
+            if nb > 2u {
+                let i2 = 32u * TS + kk;
+                let b2 = coopLoad<coop_mat16x16<f16, B>>(&xs[i2], ts);
+                let l2 = coopLoad<coop_mat16x16<f16, B>>(&xl[i2], ts);
+                g2 = coopMultiplyAdd(a0, b2, g2);
+                h2 = coopMultiplyAdd(a1, b2, h2);
+                g2 = coopMultiplyAdd(a0, l2, g2);
+                h2 = coopMultiplyAdd(a1, l2, h2);
+            }
+            if nb > 3u {
+                let i3 = 48u * TS + kk;
+                let b3 = coopLoad<coop_mat16x16<f16, B>>(&xs[i3], ts);
+                let l3 = coopLoad<coop_mat16x16<f16, B>>(&xl[i3], ts);
+                g3 = coopMultiplyAdd(a0, b3, g3);
+                h3 = coopMultiplyAdd(a1, b3, h3);
+                g3 = coopMultiplyAdd(a0, l3, g3);
+                h3 = coopMultiplyAdd(a1, l3, h3);
+            }
+        }
+    }
+    // Each subgroup parks one token block's two 16 × 16 blocks in its part of cs, then its
+    // lanes write them out.
+    let cb = 512u * sgid;
+    let ch = cb + 256u;
+    let s16 = 16u;
+    coopStore(g0, &cs[cb], s16);
+    coopStore(h0, &cs[ch], s16);
+    workgroupBarrier();
+    store_block(cb, lane, r0, sgid, 0u);
+    workgroupBarrier();
+    if nb > 1u {
+        coopStore(g1, &cs[cb], s16);
+        coopStore(h1, &cs[ch], s16);
+        workgroupBarrier();
+        store_block(cb, lane, r0, sgid, 1u);
+        workgroupBarrier();
+    }
+    if nb > 2u {
+        coopStore(g2, &cs[cb], s16);
+        coopStore(h2, &cs[ch], s16);
+        workgroupBarrier();
+        store_block(cb, lane, r0, sgid, 2u);
+        workgroupBarrier();
+    }
+    if nb > 3u {
+        coopStore(g3, &cs[cb], s16);
+        coopStore(h3, &cs[ch], s16);
+        workgroupBarrier();
+        store_block(cb, lane, r0, sgid, 3u);
+    }
+}

@@ -1,0 +1,209 @@
+//! The tensor-core GEMM (`kernels/matmul_coop.wgsl`) compiled to SPIR-V here, not by wgpu, and
+//! handed to the Vulkan driver as a passthrough shader.
+//!
+//! Why: naga 30 declares the Vulkan memory model for any shader with cooperative matrices but
+//! still emits GLSL450-model code: workgroup loads and stores without `NonPrivatePointer` and
+//! barriers without availability and visibility semantics (gfx-rs/wgpu#8805). Under the Vulkan
+//! model that leaves what one invocation writes to workgroup memory unordered with another's
+//! reads after a `workgroupBarrier()` — a data race the driver may exploit. Under the GLSL450
+//! model workgroup memory is coherent and barriers order it, which is what the kernel assumes,
+//! and `SPV_KHR_cooperative_matrix` does not need the Vulkan model; so the module's memory model
+//! is switched back (`use_glsl450_memory_model`). On the H200 (2026-12-01) the GEMM gave the same
+//! results and speed under naga's declaration, under this one and with every workgroup access
+//! marked non-private: the fix is for correctness by the specification, not a measured failure.
+
+/// SPIR-V of `src`'s `main` with its `override`s set to `constants`.
+pub fn compile(
+    src: &str,
+    constants: &[(&str, f64)],
+    bounds_checks: bool,
+) -> Result<Vec<u32>, String> {
+    use naga::valid::{Capabilities, ShaderStages, SubgroupOperationSet, ValidationFlags};
+    let module = naga::front::wgsl::parse_str(src).map_err(|e| e.emit_to_string(src))?;
+    let mut validator = naga::valid::Validator::new(ValidationFlags::all(), Capabilities::all());
+    validator
+        .subgroup_stages(ShaderStages::COMPUTE)
+        .subgroup_operations(SubgroupOperationSet::all());
+    let info = validator.validate(&module).map_err(|e| format!("{e:?}"))?;
+    let mut consts = naga::back::PipelineConstants::default();
+    consts.extend(constants.iter().map(|(k, v)| (k.to_string(), *v)));
+    let (module, info) =
+        naga::back::pipeline_constants::process_overrides(&module, &info, None, &consts)
+            .map_err(|e| format!("overrides: {e:?}"))?;
+    let check = match bounds_checks {
+        true => naga::proc::BoundsCheckPolicy::Restrict,
+        false => naga::proc::BoundsCheckPolicy::Unchecked,
+    };
+    let options = naga::back::spv::Options {
+        // Vulkan 1.2's SPIR-V; cooperative matrices need Vulkan 1.3 drivers anyway.
+        lang_version: (1, 5),
+        flags: naga::back::spv::WriterFlags::empty(),
+        bounds_check_policies: naga::proc::BoundsCheckPolicies {
+            index: check,
+            buffer: check,
+            image_load: check,
+            binding_array: naga::proc::BoundsCheckPolicy::Unchecked,
+        },
+        // As wgpu does for modules without runtime checks: a counter in every loop keeps the
+        // driver from unrolling them (the GEMM's K-steps ran 2.5x slower with it).
+        force_loop_bounding: bounds_checks,
+        // Every kernel writes its workgroup memory before reading it.
+        zero_initialize_workgroup_memory: naga::back::spv::ZeroInitializeWorkgroupMemoryMode::None,
+        ..Default::default()
+    };
+    let pipeline = naga::back::spv::PipelineOptions {
+        shader_stage: naga::ShaderStage::Compute,
+        entry_point: "main".into(),
+    };
+    let mut words = naga::back::spv::write_vec(&module, &info, &options, Some(&pipeline))
+        .map_err(|e| format!("SPIR-V: {e:?}"))?;
+    use_glsl450_memory_model(&mut words)?;
+    Ok(words)
+}
+
+const OP_EXTENSION: u32 = 10;
+const OP_MEMORY_MODEL: u32 = 14;
+const OP_CAPABILITY: u32 = 17;
+const CAPABILITY_VULKAN_MEMORY_MODEL: u32 = 5345;
+const CAPABILITY_VULKAN_MEMORY_MODEL_DEVICE_SCOPE: u32 = 5346;
+const MEMORY_MODEL_GLSL450: u32 = 1;
+const MEMORY_MODEL_VULKAN: u32 = 3;
+
+/// Rewrites a module declared under the Vulkan memory model to the GLSL450 one: drops the
+/// `VulkanMemoryModel` capabilities and extension and changes `OpMemoryModel`. Fails (rather
+/// than hand the driver something half-patched) unless there was exactly one such declaration.
+pub fn use_glsl450_memory_model(words: &mut Vec<u32>) -> Result<(), String> {
+    const HEADER: usize = 5;
+    if words.len() < HEADER || words[0] != 0x0723_0203 {
+        return Err("not a SPIR-V module".into());
+    }
+    let mut out = words[..HEADER].to_vec();
+    let mut models = 0;
+    let mut i = HEADER;
+    while i < words.len() {
+        let (count, op) = ((words[i] >> 16) as usize, words[i] & 0xffff);
+        if count == 0 || i + count > words.len() {
+            return Err(format!("malformed SPIR-V instruction at word {i}"));
+        }
+        let inst = &words[i..i + count];
+        i += count;
+        match op {
+            OP_CAPABILITY
+                if matches!(
+                    inst[1],
+                    CAPABILITY_VULKAN_MEMORY_MODEL | CAPABILITY_VULKAN_MEMORY_MODEL_DEVICE_SCOPE
+                ) =>
+            {
+                continue
+            }
+            OP_EXTENSION if literal_string(&inst[1..]) == "SPV_KHR_vulkan_memory_model" => continue,
+            OP_MEMORY_MODEL if inst[2] == MEMORY_MODEL_VULKAN => {
+                models += 1;
+                out.extend_from_slice(&[inst[0], inst[1], MEMORY_MODEL_GLSL450]);
+                continue;
+            }
+            _ => out.extend_from_slice(inst),
+        }
+    }
+    if models != 1 {
+        return Err(format!(
+            "expected one Vulkan-model OpMemoryModel, found {models}"
+        ));
+    }
+    *words = out;
+    Ok(())
+}
+
+/// A SPIR-V literal string: UTF-8 bytes, little-endian within words, NUL-terminated.
+fn literal_string(words: &[u32]) -> String {
+    let bytes: Vec<u8> = words
+        .iter()
+        .flat_map(|w| w.to_le_bytes())
+        .take_while(|b| *b != 0)
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// (opcode, first operand) of every instruction after the header.
+    fn instructions(words: &[u32]) -> Vec<(u32, Vec<u32>)> {
+        let mut v = vec![];
+        let mut i = 5;
+        while i < words.len() {
+            let count = (words[i] >> 16) as usize;
+            v.push((words[i] & 0xffff, words[i + 1..i + count].to_vec()));
+            i += count;
+        }
+        v
+    }
+
+    #[test]
+    fn the_coop_gemm_leaves_the_vulkan_memory_model() {
+        let src = crate::gpu::kernel_source("matmul_coop").unwrap();
+        let consts = [
+            ("DTYPE", 2.0),
+            ("BN", 48.0),
+            ("GATED", 1.0),
+            ("GROUPED", 1.0),
+        ];
+        let words = compile(&src, &consts, false).unwrap();
+        let inst = instructions(&words);
+        let model: Vec<_> = inst.iter().filter(|i| i.0 == OP_MEMORY_MODEL).collect();
+        assert_eq!(model.len(), 1);
+        assert_eq!(model[0].1, vec![0, MEMORY_MODEL_GLSL450]);
+        let caps: Vec<u32> = inst
+            .iter()
+            .filter(|i| i.0 == OP_CAPABILITY)
+            .map(|i| i.1[0])
+            .collect();
+        assert!(!caps.contains(&CAPABILITY_VULKAN_MEMORY_MODEL), "{caps:?}");
+        // CooperativeMatrixKHR stays.
+        assert!(caps.contains(&6022), "{caps:?}");
+        let exts: Vec<String> = inst
+            .iter()
+            .filter(|i| i.0 == OP_EXTENSION)
+            .map(|i| literal_string(&i.1))
+            .collect();
+        assert!(
+            exts.contains(&"SPV_KHR_cooperative_matrix".to_string()),
+            "{exts:?}"
+        );
+        assert!(
+            !exts.iter().any(|e| e.contains("vulkan_memory_model")),
+            "{exts:?}"
+        );
+    }
+
+    #[test]
+    fn patching_refuses_what_it_does_not_understand() {
+        assert!(use_glsl450_memory_model(&mut vec![1, 2, 3]).is_err());
+        // A valid header and a GLSL450 OpMemoryModel: nothing to patch is an error too.
+        let mut m = vec![
+            0x0723_0203,
+            0x0001_0500,
+            0,
+            10,
+            0,
+            (3 << 16) | OP_MEMORY_MODEL,
+            0,
+            1,
+        ];
+        assert!(use_glsl450_memory_model(&mut m).is_err());
+        // A truncated instruction.
+        let mut t = vec![
+            0x0723_0203,
+            0x0001_0500,
+            0,
+            10,
+            0,
+            (9 << 16) | OP_MEMORY_MODEL,
+            0,
+        ];
+        assert!(use_glsl450_memory_model(&mut t)
+            .unwrap_err()
+            .contains("malformed"));
+    }
+}
