@@ -38,6 +38,10 @@ fn tunings(ctx: &GpuContext) -> Vec<MatMulTuning> {
         .collect();
     if ctx.has_matrix_units() {
         v.extend([16, 32, 48, 64].map(MatMulTuning::coop));
+        v.extend([16, 48, 64].map(|bn| MatMulTuning {
+            bk: 32,
+            ..MatMulTuning::coop(bn)
+        }));
     }
     v
 }
@@ -619,6 +623,8 @@ fn matmul_rejects_bad_shapes_with_messages() {
     let coop = MatMulTuning::coop(64);
     if ctx.has_matrix_units() {
         let m = msg(&desc(DType::Q4, 8, 64, 1), MatMulTuning { bk: 16, ..coop });
+        assert!(m.contains("on the matrix units"), "{m}");
+        let m = msg(&desc(DType::Q4, 8, 64, 1), MatMulTuning { bm: 64, ..coop });
         assert!(m.contains("on the matrix units"), "{m}");
         let m = msg(&desc(DType::Q4, 8, 64, 1), MatMulTuning::coop(80));
         assert!(m.contains("on the matrix units"), "{m}");

@@ -110,10 +110,11 @@ fn coop_gemm_translates_to_spirv() {
     let mut failures = vec![];
     for dtype in 0..4 {
         for (gated, grouped) in [(0.0, 0.0), (1.0, 0.0), (0.0, 1.0), (1.0, 1.0)] {
-            for bn in [16.0, 48.0, 64.0] {
+            for (bn, bk) in [(16.0, 32.0), (48.0, 32.0), (64.0, 32.0), (48.0, 64.0)] {
                 let consts = [
                     ("DTYPE", dtype as f64),
                     ("BN", bn),
+                    ("BK", bk),
                     ("GATED", gated),
                     ("GROUPED", grouped),
                 ];
