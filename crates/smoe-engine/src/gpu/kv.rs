@@ -23,6 +23,8 @@ pub struct GpuKv {
     /// The model whose buffers the dispatches bind (a cache serves only that model).
     pub(crate) owner: u64,
     pub(crate) capacity: usize,
+    /// Bytes of its K and V buffers.
+    bytes: u64,
     _k: Vec<wgpu::Buffer>,
     _v: Vec<wgpu::Buffer>,
     /// `[batch size index][layer]`.
@@ -32,8 +34,10 @@ pub struct GpuKv {
 }
 
 /// A model's dropped GPU KV caches, kept for reuse: a sequence's positions are always written
-/// before they are read, so a reused cache needs no clearing. At most `KvPool::KEEP` are kept
-/// (the most recently dropped), holding their GPU memory until reused or the model is dropped.
+/// before they are read, so a reused cache needs no clearing. The most recently dropped are
+/// kept, at most `KEEP` of them and `KEEP_BYTES` in all (but always the last one), holding their
+/// GPU memory until reused, released (`clear`: a new cache that ran out of memory frees them and
+/// tries again) or the model is dropped.
 #[derive(Default)]
 pub(crate) struct KvPool {
     free: Mutex<Vec<GpuKv>>,
@@ -41,6 +45,30 @@ pub(crate) struct KvPool {
 
 impl KvPool {
     pub const KEEP: usize = 4;
+    /// 2 GiB: two 4,096-position caches of Qwen3-30B-A3B shapes, one of Qwen3-235B-A22B's.
+    pub const KEEP_BYTES: u64 = 2 << 30;
+
+    /// How many of the oldest kept caches (`bytes`, oldest first) to free.
+    fn surplus(bytes: &[u64]) -> usize {
+        let mut keep = 0;
+        let mut total = 0;
+        for &b in bytes.iter().rev() {
+            if keep == Self::KEEP || (keep > 0 && total + b > Self::KEEP_BYTES) {
+                break;
+            }
+            keep += 1;
+            total += b;
+        }
+        bytes.len() - keep
+    }
+
+    /// Frees every kept cache; returns how many there were.
+    pub fn clear(&self) -> usize {
+        let all = std::mem::take(&mut *self.free.lock().unwrap_or_else(|e| e.into_inner()));
+        let n = all.len();
+        all.into_iter().for_each(GpuKv::discard);
+        n
+    }
 
     /// A kept cache of exactly `capacity` positions.
     pub fn take(&self, capacity: usize) -> Option<GpuKv> {
@@ -62,6 +90,7 @@ impl Drop for GpuKv {
         let kept = GpuKv {
             owner: self.owner,
             capacity: self.capacity,
+            bytes: self.bytes,
             _k: std::mem::take(&mut self._k),
             _v: std::mem::take(&mut self._v),
             ops: std::mem::take(&mut self.ops),
@@ -69,20 +98,19 @@ impl Drop for GpuKv {
         };
         let mut free = pool.free.lock().unwrap_or_else(|e| e.into_inner());
         free.push(kept);
-        if free.len() > KvPool::KEEP {
-            // The oldest goes; dropped outside the lock (its own drop finds the pool again).
-            let old = free.remove(0);
-            drop(free);
-            drop(old.forget_pool());
-        }
+        let sizes: Vec<u64> = free.iter().map(|kv| kv.bytes).collect();
+        let old: Vec<GpuKv> = free.drain(..KvPool::surplus(&sizes)).collect();
+        // The oldest go, dropped outside the lock (their own drop finds the pool again).
+        drop(free);
+        old.into_iter().for_each(GpuKv::discard);
     }
 }
 
 impl GpuKv {
-    /// Detaches from the pool, so that dropping frees the memory.
-    fn forget_pool(mut self) -> Self {
+    /// Frees the memory instead of going back to the pool (also for a cache whose allocation
+    /// failed, which must never be reused).
+    pub(crate) fn discard(mut self) {
         self.pool = Weak::new();
-        self
     }
 }
 
@@ -203,6 +231,7 @@ impl GpuKv {
         Ok(GpuKv {
             owner,
             capacity,
+            bytes: 2 * bytes * c.num_layers as u64,
             _k: k,
             _v: v,
             ops,
@@ -215,5 +244,25 @@ impl GpuKv {
         let (rope, attn) = &self.ops[bi][l];
         r.step("qk-norm rope kv-append", rope);
         r.step("attention", attn);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::KvPool;
+
+    #[test]
+    fn the_pool_keeps_the_newest_caches_within_its_limits() {
+        const G: u64 = 1 << 30;
+        // Small caches: at most KEEP, the newest.
+        assert_eq!(KvPool::surplus(&[1, 1, 1, 1, 1, 1]), 2);
+        assert_eq!(KvPool::surplus(&[1, 1]), 0);
+        assert_eq!(KvPool::surplus(&[]), 0);
+        // Large ones: at most KEEP_BYTES in all…
+        assert_eq!(KvPool::surplus(&[G, G, G]), 1);
+        assert_eq!(KvPool::surplus(&[G / 2, G, G]), 1);
+        // …but always the newest, however large.
+        assert_eq!(KvPool::surplus(&[G, 3 * G]), 1);
+        assert_eq!(KvPool::surplus(&[5 * G]), 0);
     }
 }

@@ -308,15 +308,24 @@ impl GpuDecoder {
         if let Some(kv) = self.kv_pool.take(capacity) {
             return Ok(kv);
         }
-        let scope = self
-            .ctx
-            .device
-            .push_error_scope(wgpu::ErrorFilter::OutOfMemory);
-        let kv = GpuKv::new(&x, capacity, self.id, Arc::downgrade(&self.kv_pool));
-        if let Some(e) = pollster::block_on(scope.pop()) {
-            return Err(EngineError::Backend(format!("GPU: KV cache: {e}")));
+        loop {
+            let scope = self
+                .ctx
+                .device
+                .push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+            let kv = GpuKv::new(&x, capacity, self.id, Arc::downgrade(&self.kv_pool));
+            let Some(e) = pollster::block_on(scope.pop()) else {
+                return kv;
+            };
+            // Out of memory: this cache is unusable (never pooled); the kept ones of finished
+            // sequences are freed and the allocation tried once more.
+            kv.map(GpuKv::discard).ok();
+            if self.kv_pool.clear() == 0 {
+                return Err(EngineError::Backend(format!(
+                    "GPU: KV cache of {capacity} positions: {e} (lower --ctx or --max-concurrent)"
+                )));
+            }
         }
-        kv
     }
 
     /// A cache whose keys and values will live in GPU memory (allocated at the first pass).
