@@ -112,6 +112,8 @@ fn bench_kernels_reports_ratios_to_copy() {
             gbps > 0.0 && (ratio - gbps / v["copy_gb_per_s"].as_f64().unwrap()).abs() < 0.5,
             "{r}"
         );
+        // Decode shapes: no prefill fields (prefill rows carry tokens, kernel and GFLOP/s).
+        assert!(r["prefill"].is_null(), "{r}");
     }
 }
 

@@ -158,8 +158,10 @@ fn kernels(a: KernelArgs) -> Result<()> {
         device = report.device.clone();
         errors.extend(report.errors.iter().cloned());
         rows.extend(report.rows.iter().map(|r| {
+            let prefill = (r.tokens > 0).then(|| serde_json::json!({"tokens": r.tokens,
+                "kernel": r.kernel_label(), "gflop_per_s": r.gflops}));
             serde_json::json!({"shape": r.shape, "dtype": r.dtype.name(), "bytes": r.bytes, "micros": r.micros,
-                               "gb_per_s": r.gbps, "ratio_to_copy": r.ratio})
+                               "gb_per_s": r.gbps, "ratio_to_copy": r.ratio, "prefill": prefill})
         }));
     }
     if a.json {

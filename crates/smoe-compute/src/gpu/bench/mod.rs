@@ -244,6 +244,17 @@ impl BenchRow {
             gflops: 0.0,
         }
     }
+
+    /// The kernel as the report prints it: "matmul tc 128x48x64" (tensor cores), "matmul
+    /// 128x48x16", "attn_prefill 64x32", or the kernel's name.
+    pub fn kernel_label(&self) -> String {
+        match (self.gemm, self.attn) {
+            (Some(t), _) if t.coop => format!("matmul tc {}x{}x{}", t.bm, t.bn, t.bk),
+            (Some(t), _) => format!("matmul {}x{}x{}", t.bm, t.bn, t.bk),
+            (_, Some(t)) => format!("{} {}x{}", self.kernel, t.rows, t.dims),
+            _ => self.kernel.to_string(),
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -309,12 +320,7 @@ impl fmt::Display for BenchReport {
             )?;
         }
         for r in self.rows.iter().filter(|r| r.tokens > 0) {
-            let kernel = match (r.gemm, r.attn) {
-                (Some(t), _) if t.coop => format!("matmul tc {}x{}x{}", t.bm, t.bn, t.bk),
-                (Some(t), _) => format!("matmul {}x{}x{}", t.bm, t.bn, t.bk),
-                (_, Some(t)) => format!("{} {}x{}", r.kernel, t.rows, t.dims),
-                _ => r.kernel.to_string(),
-            };
+            let kernel = r.kernel_label();
             writeln!(
                 f,
                 "{:<18} {:<5} {:<22} {:>10.1} {:>9.0} {:>7.0}",
