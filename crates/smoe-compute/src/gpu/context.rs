@@ -137,6 +137,8 @@ pub struct GpuContext {
     info: GpuInfo,
     modules: Mutex<HashMap<&'static str, wgpu::ShaderModule>>,
     pipelines: Mutex<HashMap<PipelineKey, wgpu::ComputePipeline>>,
+    /// Why the matrix units were turned off after opening (a kernel that failed to build).
+    matrix_units_off: Mutex<Option<String>>,
 }
 
 impl GpuContext {
@@ -210,6 +212,7 @@ impl GpuContext {
             info,
             modules: Mutex::default(),
             pipelines: Mutex::default(),
+            matrix_units_off: Mutex::default(),
         })
     }
 
@@ -223,7 +226,27 @@ impl GpuContext {
 
     /// Whether the prefill GEMMs can run on the matrix units (`MatrixUnits`).
     pub fn has_matrix_units(&self) -> bool {
-        self.info.matrix_units == MatrixUnits::Used
+        self.matrix_units() == MatrixUnits::Used
+    }
+
+    /// `GpuInfo::matrix_units`, or why they were turned off since (`disable_matrix_units`).
+    pub fn matrix_units(&self) -> MatrixUnits {
+        match &*self
+            .matrix_units_off
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+        {
+            Some(why) => MatrixUnits::Unused(why.clone()),
+            None => self.info.matrix_units.clone(),
+        }
+    }
+
+    /// Stops using the matrix units on this context from now on.
+    pub fn disable_matrix_units(&self, why: String) {
+        *self
+            .matrix_units_off
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(why);
     }
 
     /// The compute pipeline of `kernel` (a file in `kernels/`) specialised by `constants`

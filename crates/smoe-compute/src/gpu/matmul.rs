@@ -67,15 +67,33 @@ impl MatMulTuning {
             Some(g) => g.sort.tile() as u32,
             None => Self::fit_bn(d.n_tokens as f64),
         };
-        let coop = ctx.has_matrix_units() && bn <= 64;
-        MatMulTuning {
-            coop,
+        let f32_tile = MatMulTuning {
+            coop: false,
             bm: 128,
             bn,
-            // H200, 30B q4 pp512: 64-position steps 3,368 → 3,664 tok/s over 32 (half the
-            // barriers and exposed load latencies per product).
-            bk: if coop { 64 } else { 16 },
+            bk: 16,
+        };
+        let limit = ctx.limits().max_compute_workgroup_storage_size as u64;
+        match ctx.has_matrix_units() {
+            true => Self::coop_fitting(bn, limit).unwrap_or(f32_tile),
+            false => f32_tile,
         }
+    }
+
+    /// The matrix-unit tile for `bn` tokens within `limit` bytes of workgroup memory: 64-position
+    /// steps (H200, 30B q4 pp512: 3,368 → 3,664 tok/s over 32 — half the barriers and exposed
+    /// load latencies per product), else 32 (a 32 KiB device), else none.
+    fn coop_fitting(bn: u32, limit: u64) -> Option<Self> {
+        if bn > 64 {
+            return None;
+        }
+        [64, 32]
+            .map(|bk| MatMulTuning {
+                bk,
+                ..Self::coop(bn)
+            })
+            .into_iter()
+            .find(|t| t.workgroup_bytes() <= limit)
     }
 
     /// The f32 kernel's tile with the same token tile (16-column steps).
@@ -132,13 +150,9 @@ impl MatMulTuning {
     fn check(&self, ctx: &GpuContext, dtype: DType) -> Result<(), String> {
         let l = ctx.limits();
         if self.coop {
-            if !ctx.has_matrix_units() {
+            if let MatrixUnits::Unused(why) = ctx.matrix_units() {
                 return Err(format!(
-                    "tile {self:?}: the matrix units are not available ({})",
-                    match &ctx.info().matrix_units {
-                        MatrixUnits::Unused(why) => why.as_str(),
-                        MatrixUnits::Used => "",
-                    }
+                    "tile {self:?}: the matrix units are not available ({why})"
                 ));
             }
             if self.bm != 128
@@ -237,8 +251,19 @@ pub struct MatMul {
 }
 
 impl MatMul {
+    /// The product with `MatMulTuning::default_for`'s tile. If the matrix-unit kernel fails to
+    /// build on this device (its SPIR-V goes to the driver unchecked by wgpu), the matrix units
+    /// are turned off for the context (`GpuContext::matrix_units` says why) and the f32 kernel
+    /// is used, now and for every later product.
     pub fn new(ctx: &GpuContext, d: &MatMulDesc) -> Result<Self, GpuError> {
-        Self::with_tuning(ctx, d, MatMulTuning::default_for(ctx, d))
+        let tune = MatMulTuning::default_for(ctx, d);
+        match Self::with_tuning(ctx, d, tune) {
+            Err(GpuError::Kernel { msg, .. }) if tune.coop => {
+                ctx.disable_matrix_units(format!("the kernel failed to build: {msg}"));
+                Self::with_tuning(ctx, d, MatMulTuning::default_for(ctx, d))
+            }
+            r => r,
+        }
     }
 
     /// The tile this product runs with.
@@ -415,5 +440,24 @@ impl MatMul {
     /// Records the product into its own compute pass of `enc`.
     pub fn encode(&self, enc: &mut wgpu::CommandEncoder) {
         super::in_pass(enc, "matmul", |p| self.record(p));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::MatMulTuning;
+
+    #[test]
+    fn the_coop_tile_fits_the_workgroup_memory() {
+        // 48 KiB (NVIDIA): 64-position steps at every token width.
+        for bn in [16, 32, 48, 64] {
+            assert_eq!(MatMulTuning::coop_fitting(bn, 48 << 10).unwrap().bk, 64);
+        }
+        // 32 KiB: 32-position steps where 64 do not fit.
+        assert_eq!(MatMulTuning::coop_fitting(64, 32 << 10).unwrap().bk, 32);
+        assert_eq!(MatMulTuning::coop_fitting(16, 32 << 10).unwrap().bk, 64);
+        // 16 KiB, or wider than the kernel's 64 tokens: the f32 kernel.
+        assert!(MatMulTuning::coop_fitting(16, 16 << 10).is_none());
+        assert!(MatMulTuning::coop_fitting(128, 48 << 10).is_none());
     }
 }
