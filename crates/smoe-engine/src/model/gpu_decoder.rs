@@ -25,7 +25,7 @@ use crate::gpu::{
 use crate::kv_cache::KvCache;
 use crate::rope::RopeTable;
 use crate::store::{CacheBudget, Experts, StoreOptions};
-use smoe_compute::gpu::{wgpu, BufRef, EmbedGather, GpuContext, Timestamps};
+use smoe_compute::gpu::{wgpu, BufRef, EmbedGather, GpuContext, MatrixUnits, Timestamps};
 use smoe_vault::{ModelConfig, TensorData, Vault};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -185,6 +185,17 @@ impl GpuDecoder {
             info.adapter.backend,
             if info.bounds_checks { "on" } else { "off" }
         );
+        // The prefill GEMMs were built above: say whether they run on the matrix units, and
+        // warn if those were there but their kernel failed.
+        match (ctx.matrix_units(), &info.matrix_units) {
+            (MatrixUnits::Used, _) => tracing::info!("GPU prefill GEMMs on the matrix units"),
+            (MatrixUnits::Unused(why), MatrixUnits::Used) => {
+                tracing::warn!("GPU prefill GEMMs on the f32 ALUs: {why}")
+            }
+            (MatrixUnits::Unused(why), _) => {
+                tracing::info!("GPU prefill GEMMs on the f32 ALUs ({why})")
+            }
+        }
         Ok(m)
     }
 
