@@ -33,25 +33,6 @@
 //   q4, whose byte j of a 64-group holds columns j and j + 32: there position p is column p
 //   with bits 4 and 5 swapped, and x is staged in that order.
 
-struct Params {
-    rows: u32,         // output rows (of this part)
-    cols: u32,
-    n_tok: u32,        // dense: tokens
-    row_stride: u32,   // vec4<u32> per stored row
-    w_off: u32,        // vec4 index of row 0 of matrix 0, relative to the binding
-    w_mat_stride: u32, // vec4s between stacked matrices (GROUPED)
-    w_up_off: u32,     // vec4s from the gate matrix to the up matrix (GATED)
-    param_word: u32,   // u32 index within a row where the f16 group parameters start
-    x_off: u32,        // vec4 index of x row 0
-    x_tok: u32,        // vec4s between x rows
-    x_div: u32,        // GROUPED: slots that share one x row (slot s reads row s / x_div); >= 1
-    y_off: u32,        // f32 index of y row 0, output row 0 of this part
-    y_tok: u32,        // f32s between y rows
-    _pad0: u32,
-    _pad1: u32,
-    _pad2: u32,
-}
-
 override DTYPE: u32 = 2u; // 0 bf16, 1 q8, 2 q4, 3 q2
 override BM: u32 = 128u;  // weight rows per tile: 64 or 128
 override BN: u32 = 64u;   // tokens per tile: a multiple of 16, at most 128
@@ -73,16 +54,6 @@ override X_PIECES: u32 = BN * BK / 4u;
 override WP: u32 = (W_PIECES + WG - 1u) / WG;
 override XP: u32 = (X_PIECES + WG - 1u) / WG;
 const MAXP: u32 = 4u;
-const INVALID: u32 = 0xffffffffu;
-
-@group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> w: array<vec4<u32>>;
-@group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read_write> y: array<f32>;
-@group(0) @binding(4) var<storage, read> starts: array<u32>;
-@group(0) @binding(5) var<storage, read> perm: array<u32>;
-// units[0]: the count of units; units[1 + u]: unit u = (expert << 20) | token tile index.
-@group(0) @binding(6) var<storage, read> units: array<u32>;
 
 var<workgroup> ws: array<vec4<f32>, BK * BM / 4u>;
 var<workgroup> xs: array<vec4<f32>, BK * BN / 4u>;
@@ -92,62 +63,6 @@ var<workgroup> tok: array<u32, BN>;
 var<workgroup> xrow: array<u32, BN>;
 // GROUPED: this workgroup's perm range and expert.
 var<workgroup> unit: vec3<u32>;
-
-// The next step's raw bytes, loaded before the current step is multiplied.
-var<private> wraw: array<vec4<u32>, MAXP>;
-var<private> wpar: array<u32, MAXP>;
-var<private> xraw: array<vec4<f32>, MAXP>;
-
-// vec4 index of the stored row behind tile row i.
-fn wrow(wbase: u32, r0: u32, i: u32) -> u32 {
-    var o = i;
-    var up = 0u;
-    if GATED && i >= OR {
-        o = i - OR;
-        up = p.w_up_off;
-    }
-    // Rows past the end repeat the last row (their sums are never stored): no branch, no
-    // read outside the matrix.
-    let row = min(r0 + o, p.rows - 1u);
-    return wbase + row * p.row_stride + up;
-}
-
-// Issues the global loads of the step at position c0.
-fn load_step(li: u32, c0: u32, wbase: u32, r0: u32) {
-    for (var n = 0u; n < WP; n++) {
-        let d = li + n * WG;
-        if d < W_PIECES {
-            let i = d % BM;
-            let p0 = c0 + (d / BM) * PV;
-            var q = vec4<u32>(0u);
-            var pw = 0u;
-            // Only bf16 can have a partial last step (cols % 8 == 0); quantized cols are
-            // multiples of 64.
-            if p0 < p.cols {
-                let rb = wrow(wbase, r0, i);
-                q = w[rb + p0 / CPV];
-                if DTYPE != 0u {
-                    let g = p0 / 64u;
-                    let wi = p.param_word + select(g / 2u, g, DTYPE == 3u);
-                    pw = w[rb + wi / 4u][wi % 4u];
-                }
-            }
-            wraw[n] = q;
-            wpar[n] = pw;
-        }
-    }
-    for (var n = 0u; n < XP; n++) {
-        let d = li + n * WG;
-        if d < X_PIECES {
-            let pos = c0 + 4u * (d / BN);
-            var v = vec4<f32>(0.0);
-            if pos < p.cols {
-                v = x[xrow[d % BN] + column(pos) / 4u];
-            }
-            xraw[n] = v;
-        }
-    }
-}
 
 fn put4(kk: u32, i: u32, v: vec4<f32>) {
     let at = kk * (BM / 4u) + i / 4u;

@@ -26,25 +26,6 @@ enable wgpu_cooperative_matrix;
 // staged beside it (token-major, i.e. the B operand column-major); the next step's raw bytes
 // are loaded into registers before the current step is multiplied, as in matmul.wgsl.
 
-struct Params {
-    rows: u32,
-    cols: u32,
-    n_tok: u32,
-    row_stride: u32,
-    w_off: u32,
-    w_mat_stride: u32,
-    w_up_off: u32,
-    param_word: u32,
-    x_off: u32,
-    x_tok: u32,
-    x_div: u32,
-    y_off: u32,
-    y_tok: u32,
-    _pad0: u32,
-    _pad1: u32,
-    _pad2: u32,
-}
-
 override DTYPE: u32 = 2u; // 0 bf16, 1 q8, 2 q4, 3 q2
 override BN: u32 = 64u;   // tokens per tile: 16, 32, 48 or 64
 override GATED: bool = false;
@@ -66,15 +47,6 @@ override X_PIECES: u32 = BN * BK / 4u;
 override WP: u32 = (W_PIECES + WG - 1u) / WG;
 override XP: u32 = (X_PIECES + WG - 1u) / WG;
 const MAXP: u32 = 8u;
-const INVALID: u32 = 0xffffffffu;
-
-@group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> w: array<vec4<u32>>;
-@group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read_write> y: array<f32>;
-@group(0) @binding(4) var<storage, read> starts: array<u32>;
-@group(0) @binding(5) var<storage, read> perm: array<u32>;
-@group(0) @binding(6) var<storage, read> units: array<u32>;
 
 // Every workgroup variable is a multiple of 16 bytes (`unit` a vec4, not a vec3): the H200's
 // driver appears to round a cooperative load's address down to 16 bytes, and placed after a
@@ -92,56 +64,6 @@ var<workgroup> cs: array<f32, 2048>;
 var<workgroup> tok: array<u32, BN>;
 var<workgroup> xrow: array<u32, BN>;
 var<workgroup> unit: vec4<u32>;
-
-var<private> wraw: array<vec4<u32>, MAXP>;
-var<private> wpar: array<u32, MAXP>;
-var<private> xraw: array<vec4<f32>, MAXP>;
-
-fn wrow(wbase: u32, r0: u32, i: u32) -> u32 {
-    var o = i;
-    var up = 0u;
-    if GATED && i >= OR {
-        o = i - OR;
-        up = p.w_up_off;
-    }
-    // Rows past the end repeat the last row (their sums are never stored).
-    let row = min(r0 + o, p.rows - 1u);
-    return wbase + row * p.row_stride + up;
-}
-
-fn load_step(li: u32, c0: u32, wbase: u32, r0: u32) {
-    for (var n = 0u; n < WP; n++) {
-        let d = li + n * WG;
-        if d < W_PIECES {
-            let i = d % BM;
-            let p0 = c0 + (d / BM) * PV;
-            var q = vec4<u32>(0u);
-            var pw = 0u;
-            if p0 < p.cols {
-                let rb = wrow(wbase, r0, i);
-                q = w[rb + p0 / CPV];
-                if DTYPE != 0u {
-                    let g = p0 / 64u;
-                    let wi = p.param_word + select(g / 2u, g, DTYPE == 3u);
-                    pw = w[rb + wi / 4u][wi % 4u];
-                }
-            }
-            wraw[n] = q;
-            wpar[n] = pw;
-        }
-    }
-    for (var n = 0u; n < XP; n++) {
-        let d = li + n * WG;
-        if d < X_PIECES {
-            let pos = c0 + 4u * (d / BN);
-            var v = vec4<f32>(0.0);
-            if pos < p.cols {
-                v = x[xrow[d % BN] + column(pos) / 4u];
-            }
-            xraw[n] = v;
-        }
-    }
-}
 
 fn put4(at: u32, v: vec4<f32>) {
     let h = vec4<f16>(v);

@@ -256,37 +256,23 @@ impl GpuContext {
         kernel: &'static str,
         constants: &[(&'static str, f64)],
     ) -> Result<wgpu::ComputePipeline, GpuError> {
-        let key: PipelineKey = (
-            kernel,
-            constants.iter().map(|(k, v)| (*k, v.to_bits())).collect(),
-        );
-        if let Some(p) = self.pipelines.lock().unwrap().get(&key) {
-            return Ok(p.clone());
-        }
-        let module = self.module(kernel)?;
-        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let pipeline = self
-            .device
-            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some(kernel),
-                layout: None,
-                module: &module,
-                entry_point: Some("main"),
-                compilation_options: wgpu::PipelineCompilationOptions {
-                    constants,
-                    // Every kernel writes workgroup memory before reading it.
-                    zero_initialize_workgroup_memory: false,
-                },
-                cache: None,
-            });
-        if let Some(e) = pollster::block_on(scope.pop()) {
-            return Err(GpuError::Kernel {
-                kernel: kernel.into(),
-                msg: e.to_string(),
-            });
-        }
-        self.pipelines.lock().unwrap().insert(key, pipeline.clone());
-        Ok(pipeline)
+        self.cached_pipeline(kernel, constants, || {
+            let module = self.module(kernel)?;
+            Ok(self
+                .device
+                .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                    label: Some(kernel),
+                    layout: None,
+                    module: &module,
+                    entry_point: Some("main"),
+                    compilation_options: wgpu::PipelineCompilationOptions {
+                        constants,
+                        // Every kernel writes workgroup memory before reading it.
+                        zero_initialize_workgroup_memory: false,
+                    },
+                    cache: None,
+                }))
+        })
     }
 
     /// Like `pipeline`, but compiled to SPIR-V by `spirv::compile` (with its memory-model fix)
@@ -298,6 +284,81 @@ impl GpuContext {
         constants: &[(&'static str, f64)],
         bindings: &[wgpu::BufferBindingType],
     ) -> Result<wgpu::ComputePipeline, GpuError> {
+        self.cached_pipeline(kernel, constants, || {
+            let fail = |msg: String| GpuError::Kernel {
+                kernel: kernel.into(),
+                msg,
+            };
+            let src =
+                kernels::kernel_source(kernel).ok_or_else(|| fail("no such kernel".into()))?;
+            let words =
+                super::spirv::compile(&src, constants, self.info.bounds_checks).map_err(fail)?;
+            let entries: Vec<wgpu::BindGroupLayoutEntry> = bindings
+                .iter()
+                .enumerate()
+                .map(|(i, ty)| wgpu::BindGroupLayoutEntry {
+                    binding: i as u32,
+                    visibility: wgpu::ShaderStages::COMPUTE,
+                    ty: wgpu::BindingType::Buffer {
+                        ty: *ty,
+                        has_dynamic_offset: false,
+                        min_binding_size: None,
+                    },
+                    count: None,
+                })
+                .collect();
+            let bgl = self
+                .device
+                .create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                    label: Some(kernel),
+                    entries: &entries,
+                });
+            let layout = self
+                .device
+                .create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                    label: Some(kernel),
+                    bind_group_layouts: &[Some(&bgl)],
+                    immediate_size: 0,
+                });
+            // SAFETY: the words are naga's validated translation of our WGSL, changed only in the
+            // declared memory model (spirv.rs); the layout above is the kernel's bindings.
+            let module = unsafe {
+                self.device.create_shader_module_passthrough(
+                    wgpu::ShaderModuleDescriptorPassthrough {
+                        label: Some(kernel),
+                        entry_points: std::borrow::Cow::Owned(vec![
+                            wgpu::PassthroughShaderEntryPoint {
+                                name: "main".into(),
+                                workgroup_size: (128, 1, 1),
+                            },
+                        ]),
+                        spirv: Some(std::borrow::Cow::Owned(words)),
+                        ..Default::default()
+                    },
+                )
+            };
+            let pipeline = self
+                .device
+                .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                    label: Some(kernel),
+                    layout: Some(&layout),
+                    module: &module,
+                    entry_point: Some("main"),
+                    compilation_options: Default::default(),
+                    cache: None,
+                });
+            Ok(pipeline)
+        })
+    }
+
+    /// The cached pipeline of (`kernel`, `constants`), or `build`'s, made under a validation
+    /// error scope (its errors become `GpuError::Kernel`) and cached.
+    fn cached_pipeline(
+        &self,
+        kernel: &'static str,
+        constants: &[(&'static str, f64)],
+        build: impl FnOnce() -> Result<wgpu::ComputePipeline, GpuError>,
+    ) -> Result<wgpu::ComputePipeline, GpuError> {
         let key: PipelineKey = (
             kernel,
             constants.iter().map(|(k, v)| (*k, v.to_bits())).collect(),
@@ -305,69 +366,15 @@ impl GpuContext {
         if let Some(p) = self.pipelines.lock().unwrap().get(&key) {
             return Ok(p.clone());
         }
-        let fail = |msg: String| GpuError::Kernel {
-            kernel: kernel.into(),
-            msg,
-        };
-        let src = kernels::kernel_source(kernel).ok_or_else(|| fail("no such kernel".into()))?;
-        let words =
-            super::spirv::compile(&src, constants, self.info.bounds_checks).map_err(fail)?;
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let entries: Vec<wgpu::BindGroupLayoutEntry> = bindings
-            .iter()
-            .enumerate()
-            .map(|(i, ty)| wgpu::BindGroupLayoutEntry {
-                binding: i as u32,
-                visibility: wgpu::ShaderStages::COMPUTE,
-                ty: wgpu::BindingType::Buffer {
-                    ty: *ty,
-                    has_dynamic_offset: false,
-                    min_binding_size: None,
-                },
-                count: None,
-            })
-            .collect();
-        let bgl = self
-            .device
-            .create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-                label: Some(kernel),
-                entries: &entries,
+        let built = build();
+        let popped = pollster::block_on(scope.pop());
+        let pipeline = built?;
+        if let Some(e) = popped {
+            return Err(GpuError::Kernel {
+                kernel: kernel.into(),
+                msg: e.to_string(),
             });
-        let layout = self
-            .device
-            .create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
-                label: Some(kernel),
-                bind_group_layouts: &[Some(&bgl)],
-                immediate_size: 0,
-            });
-        // SAFETY: the words are naga's validated translation of our WGSL, changed only in the
-        // declared memory model (spirv.rs); the layout above is the kernel's bindings.
-        let module = unsafe {
-            self.device
-                .create_shader_module_passthrough(wgpu::ShaderModuleDescriptorPassthrough {
-                    label: Some(kernel),
-                    entry_points: std::borrow::Cow::Owned(vec![
-                        wgpu::PassthroughShaderEntryPoint {
-                            name: "main".into(),
-                            workgroup_size: (128, 1, 1),
-                        },
-                    ]),
-                    spirv: Some(std::borrow::Cow::Owned(words)),
-                    ..Default::default()
-                })
-        };
-        let pipeline = self
-            .device
-            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some(kernel),
-                layout: Some(&layout),
-                module: &module,
-                entry_point: Some("main"),
-                compilation_options: Default::default(),
-                cache: None,
-            });
-        if let Some(e) = pollster::block_on(scope.pop()) {
-            return Err(fail(e.to_string()));
         }
         self.pipelines.lock().unwrap().insert(key, pipeline.clone());
         Ok(pipeline)

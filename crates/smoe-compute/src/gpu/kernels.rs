@@ -1,10 +1,10 @@
 //! The WGSL sources, compiled into the binary. One file per kernel in `kernels/`, each with a
-//! `main` entry point; shared fragments (`common.wgsl`: workgroup reductions; `gemm_dequant.wgsl`:
-//! the GEMMs' weight decoding) are prepended to the kernels that use them, since WGSL has no
-//! includes.
+//! `main` entry point; shared fragments (`common.wgsl`: workgroup reductions;
+//! `gemm_common.wgsl`: the GEMMs' parameters, bindings, loads and weight decoding) are prepended
+//! to the kernels that use them, since WGSL has no includes.
 
 const COMMON: &str = include_str!("../../kernels/common.wgsl");
-const GEMM_DEQUANT: &str = include_str!("../../kernels/gemm_dequant.wgsl");
+const GEMM_COMMON: &str = include_str!("../../kernels/gemm_common.wgsl");
 
 /// (name, source, fragments prepended to it)
 const KERNELS: &[(&str, &str, &[&str])] = &[
@@ -12,12 +12,12 @@ const KERNELS: &[(&str, &str, &[&str])] = &[
     (
         "matmul",
         include_str!("../../kernels/matmul.wgsl"),
-        &[GEMM_DEQUANT],
+        &[GEMM_COMMON],
     ),
     (
         "matmul_coop",
         include_str!("../../kernels/matmul_coop.wgsl"),
-        &[GEMM_DEQUANT],
+        &[GEMM_COMMON],
     ),
     (
         "expert_sort",

@@ -174,7 +174,7 @@ pub(super) fn bench_prefill(
                 let mv = MatVec::with_tuning(ctx, &d, t)?;
                 recs.push(Box::new(move |p| mv.record(p)));
             }
-            Kernel::MatMul(t) => {
+            Kernel::MatMul(_) | Kernel::MatMulAlu => {
                 let d = MatMulDesc {
                     w,
                     up_offset,
@@ -187,28 +187,14 @@ pub(super) fn bench_prefill(
                         x_div,
                     }),
                 };
-                let mm = match t {
-                    Some(t) => MatMul::with_tuning(ctx, &d, t)?,
-                    None => MatMul::new(ctx, &d)?,
+                let mm = match kernel {
+                    Kernel::MatMul(Some(t)) => MatMul::with_tuning(ctx, &d, t)?,
+                    Kernel::MatMulAlu => {
+                        let t = MatMulTuning::default_for(ctx, &d).on_alus();
+                        MatMul::with_tuning(ctx, &d, t)?
+                    }
+                    _ => MatMul::new(ctx, &d)?,
                 };
-                tile = Some(mm.tuning());
-                recs.push(Box::new(move |p| mm.record(p)));
-            }
-            Kernel::MatMulAlu => {
-                let d = MatMulDesc {
-                    w,
-                    up_offset,
-                    x: BufRef::new(&x),
-                    y: BufRef::new(&y),
-                    n_tokens: tokens,
-                    grouped: grouped.then_some(MatMulGrouped {
-                        sort: &sort,
-                        mat_stride: mat_bytes,
-                        x_div,
-                    }),
-                };
-                let t = MatMulTuning::default_for(ctx, &d).on_alus();
-                let mm = MatMul::with_tuning(ctx, &d, t)?;
                 tile = Some(mm.tuning());
                 recs.push(Box::new(move |p| mm.record(p)));
             }
