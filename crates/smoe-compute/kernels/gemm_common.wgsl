@@ -1,7 +1,8 @@
 // Shared by matmul.wgsl and matmul_coop.wgsl (prepended to both): their parameters and bindings,
-// the global loads of a K-step's weight and x pieces, and the weight values of one staged piece
-// (a 16-byte chunk of stored codes). Each kernel declares the tile overrides used here (DTYPE,
-// BM, BN, BK, GATED, OR, PV, CPV, W_PIECES, X_PIECES, WP, XP, WG, MAXP) and `xrow`.
+// the token tile, the global loads of a K-step's weight and x pieces, and the weight values of
+// one staged piece (a 16-byte chunk of stored codes). Each kernel declares the tile overrides
+// used here (DTYPE, BM, BN, BK, GATED, GROUPED, OR, PV, CPV, W_PIECES, X_PIECES, WP, XP, WG,
+// MAXP) and the workgroup arrays `tok` and `xrow`.
 
 // Values at step positions p0 + 4j .. p0 + 4j + 3 of the piece that starts at position p0:
 // q is the piece's chunk, pw the u32 that holds its 64-group's f16 parameters. A bf16 piece
@@ -128,5 +129,20 @@ fn load_step(li: u32, c0: u32, wbase: u32, r0: u32) {
             }
             xraw[n] = v;
         }
+    }
+}
+
+// The token tile: tokens (GROUPED: perm indices) j0..j0 + nvalid, 1 <= nvalid <= BN. tok[t] is
+// token t's index (GROUPED: its slot), INVALID past the end; xrow[t] the vec4 index of its x
+// row (a valid row even past the end, so staging needs no branch).
+fn stage_tokens(li: u32, j0: u32, nvalid: u32) {
+    for (var t = li; t < BN; t += WG) {
+        let j = j0 + min(t, nvalid - 1u);
+        var s = j;
+        if GROUPED {
+            s = perm[j];
+        }
+        tok[t] = select(INVALID, s, t < nvalid);
+        xrow[t] = p.x_off + (s / p.x_div) * p.x_tok;
     }
 }

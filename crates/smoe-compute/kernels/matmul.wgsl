@@ -163,15 +163,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         nvalid = r.y;
         wbase += r.z * p.w_mat_stride;
     }
-    for (var t = li; t < BN; t += WG) {
-        let j = j0 + min(t, nvalid - 1u);
-        var s = j;
-        if GROUPED {
-            s = perm[j];
-        }
-        tok[t] = select(INVALID, s, t < nvalid);
-        xrow[t] = p.x_off + (s / p.x_div) * p.x_tok;
-    }
+    stage_tokens(li, j0, nvalid);
     workgroupBarrier();
     // Sums: *0..*3 the rows 4ir.., *4..*7 the rows BM/2 + 4ir.. (GATED: their up sums).
     var a0 = vec4<f32>(0.0);

@@ -164,15 +164,7 @@ fn main(
     let j0 = r.x;
     let nvalid = r.y;
     let wbase = p.w_off + r.z * p.w_mat_stride;
-    for (var t = li; t < BN; t += WG) {
-        let j = j0 + min(t, nvalid - 1u);
-        var s = j;
-        if GROUPED {
-            s = perm[j];
-        }
-        tok[t] = select(INVALID, s, t < nvalid);
-        xrow[t] = p.x_off + (s / p.x_div) * p.x_tok;
-    }
+    stage_tokens(li, j0, nvalid);
     workgroupBarrier();
     // Token blocks past the tile's valid tokens are skipped (uniform: nvalid is).
     let nb = min(NB, (nvalid + 15u) / 16u);

@@ -177,6 +177,35 @@ mod tests {
         );
     }
 
+    /// The tensor-core GEMM runs only on adapters with 16 × 16 f16 cooperative matrices (not
+    /// Metal, not CI's lavapipe): here every variant must at least go through the compile the
+    /// engine uses (validation, overrides, SPIR-V, memory-model rewrite), with and without
+    /// bounds checks.
+    #[test]
+    fn every_coop_gemm_variant_compiles() {
+        let src = crate::gpu::kernel_source("matmul_coop").unwrap();
+        let mut failures = vec![];
+        for dtype in 0..4 {
+            for (gated, grouped) in [(0.0, 0.0), (1.0, 0.0), (0.0, 1.0), (1.0, 1.0)] {
+                for (bn, bk) in [(16.0, 32.0), (48.0, 32.0), (64.0, 32.0), (48.0, 64.0)] {
+                    let consts = [
+                        ("DTYPE", dtype as f64),
+                        ("BN", bn),
+                        ("BK", bk),
+                        ("GATED", gated),
+                        ("GROUPED", grouped),
+                    ];
+                    for checks in [false, true] {
+                        if let Err(e) = compile(&src, &consts, checks) {
+                            failures.push(format!("{consts:?} checks {checks}: {e}"));
+                        }
+                    }
+                }
+            }
+        }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
     #[test]
     fn patching_refuses_what_it_does_not_understand() {
         assert!(use_glsl450_memory_model(&mut vec![1, 2, 3]).is_err());

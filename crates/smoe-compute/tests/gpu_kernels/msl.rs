@@ -1,4 +1,4 @@
-//! Every kernel through naga's Metal (MSL) backend (the tensor-core GEMM through SPIR-V), with the capabilities the GPU backend
+//! Every kernel through naga's Metal (MSL) backend, with the capabilities the GPU backend
 //! requests (subgroups, f16), so a Metal-only translation failure fails CI without a Mac.
 //! Needs no GPU. naga is pinned to the version wgpu uses (see Cargo.toml).
 
@@ -60,19 +60,12 @@ fn variants(kernel: &str) -> Vec<Vec<(&'static str, f64)>> {
     v
 }
 
-/// `name` parsed, validated with `caps` (plus what every kernel needs) and specialised by
-/// `constants`.
-fn specialise(
-    name: &str,
-    constants: &[(&'static str, f64)],
-    caps: Capabilities,
-) -> Result<(naga::Module, naga::valid::ModuleInfo), String> {
+fn translate(name: &str, constants: &[(&'static str, f64)]) -> Result<String, String> {
     let src = kernel_source(name).unwrap();
     let module = naga::front::wgsl::parse_str(&src).map_err(|e| e.emit_to_string(&src))?;
     // SHADER_FLOAT16_IN_FLOAT32 (unpack2x16float) is a downlevel capability every Metal and Vulkan
     // device has; wgpu grants it there.
-    let caps = caps
-        | Capabilities::SUBGROUP
+    let caps = Capabilities::SUBGROUP
         | Capabilities::SUBGROUP_BARRIER
         | Capabilities::SHADER_FLOAT16
         | Capabilities::SHADER_FLOAT16_IN_FLOAT32;
@@ -83,13 +76,9 @@ fn specialise(
     let info = validator.validate(&module).map_err(|e| format!("{e:?}"))?;
     let mut consts = naga::back::PipelineConstants::default();
     consts.extend(constants.iter().map(|(k, v)| (k.to_string(), *v)));
-    naga::back::pipeline_constants::process_overrides(&module, &info, None, &consts)
-        .map(|(m, i)| (m.into_owned(), i.into_owned()))
-        .map_err(|e| format!("overrides: {e:?}"))
-}
-
-fn translate(name: &str, constants: &[(&'static str, f64)]) -> Result<String, String> {
-    let (module, info) = specialise(name, constants, Capabilities::empty())?;
+    let (module, info) =
+        naga::back::pipeline_constants::process_overrides(&module, &info, None, &consts)
+            .map_err(|e| format!("overrides: {e:?}"))?;
     let options = msl::Options {
         lang_version: (2, 4),
         ..Default::default()
@@ -103,48 +92,10 @@ fn translate(name: &str, constants: &[(&'static str, f64)]) -> Result<String, St
     Ok(out)
 }
 
-/// The tensor-core GEMM runs only on Vulkan adapters with 16 × 16 f16 cooperative matrices
-/// (not Metal, not CI's lavapipe): here every variant must at least validate and become SPIR-V.
-#[test]
-fn coop_gemm_translates_to_spirv() {
-    let mut failures = vec![];
-    for dtype in 0..4 {
-        for (gated, grouped) in [(0.0, 0.0), (1.0, 0.0), (0.0, 1.0), (1.0, 1.0)] {
-            for (bn, bk) in [(16.0, 32.0), (48.0, 32.0), (64.0, 32.0), (48.0, 64.0)] {
-                let consts = [
-                    ("DTYPE", dtype as f64),
-                    ("BN", bn),
-                    ("BK", bk),
-                    ("GATED", gated),
-                    ("GROUPED", grouped),
-                ];
-                let spv = specialise("matmul_coop", &consts, Capabilities::COOPERATIVE_MATRIX)
-                    .and_then(|(module, info)| {
-                        let options = naga::back::spv::Options {
-                            lang_version: (1, 3),
-                            ..Default::default()
-                        };
-                        let pipeline = naga::back::spv::PipelineOptions {
-                            shader_stage: naga::ShaderStage::Compute,
-                            entry_point: "main".into(),
-                        };
-                        naga::back::spv::write_vec(&module, &info, &options, Some(&pipeline))
-                            .map_err(|e| format!("spv: {e:?}"))
-                    });
-                match spv {
-                    Ok(words) => assert!(words.len() > 100),
-                    Err(e) => failures.push(format!("{consts:?}: {e}")),
-                }
-            }
-        }
-    }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
-}
-
 #[test]
 fn every_kernel_translates_to_msl() {
     let mut failures = vec![];
-    // matmul_coop: Vulkan only (see above).
+    // matmul_coop: Vulkan only (gpu::spirv's tests compile every variant of it).
     for name in kernel_names().into_iter().filter(|n| *n != "matmul_coop") {
         for consts in variants(name) {
             match translate(name, &consts) {

@@ -23,8 +23,6 @@ pub struct GpuKv {
     /// The model whose buffers the dispatches bind (a cache serves only that model).
     pub(crate) owner: u64,
     pub(crate) capacity: usize,
-    /// Bytes of its K and V buffers.
-    bytes: u64,
     _k: Vec<wgpu::Buffer>,
     _v: Vec<wgpu::Buffer>,
     /// `[batch size index][layer]`.
@@ -90,7 +88,6 @@ impl Drop for GpuKv {
         let kept = GpuKv {
             owner: self.owner,
             capacity: self.capacity,
-            bytes: self.bytes,
             _k: std::mem::take(&mut self._k),
             _v: std::mem::take(&mut self._v),
             ops: std::mem::take(&mut self.ops),
@@ -98,7 +95,7 @@ impl Drop for GpuKv {
         };
         let mut free = pool.free.lock().unwrap_or_else(|e| e.into_inner());
         free.push(kept);
-        let sizes: Vec<u64> = free.iter().map(|kv| kv.bytes).collect();
+        let sizes: Vec<u64> = free.iter().map(GpuKv::bytes).collect();
         let old: Vec<GpuKv> = free.drain(..KvPool::surplus(&sizes)).collect();
         // The oldest go, dropped outside the lock (their own drop finds the pool again).
         drop(free);
@@ -107,6 +104,11 @@ impl Drop for GpuKv {
 }
 
 impl GpuKv {
+    /// Bytes of its K and V buffers.
+    fn bytes(&self) -> u64 {
+        self._k.iter().chain(&self._v).map(|b| b.size()).sum()
+    }
+
     /// Frees the memory instead of going back to the pool (also for a cache whose allocation
     /// failed, which must never be reused).
     pub(crate) fn discard(mut self) {
@@ -231,7 +233,6 @@ impl GpuKv {
         Ok(GpuKv {
             owner,
             capacity,
-            bytes: 2 * bytes * c.num_layers as u64,
             _k: k,
             _v: v,
             ops,
