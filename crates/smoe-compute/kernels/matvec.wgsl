@@ -20,6 +20,17 @@
 // (with GROUPED) sums the k slots of each output row with weights rw: y[t] = Σ_j rw[t·k + j] ·
 // W_{ids[t·k + j]} · x[t·k + j], the weighted sum of a token's routed experts.
 //
+// Tails (TAIL, for decode): work that needs every workgroup's output runs in the dispatch's last
+// workgroup instead of a dependent dispatch (on an H200 ~4 µs each however small). Each workgroup
+// publishes its outputs (storageBarrier: a device-scope release) and counts itself in on a
+// counter of `done`; the one that brings it to tail_n reads the others' outputs through `ya` (the
+// same buffer as y, read with atomic loads, which never hit a stale per-core cache), runs the
+// tail and resets the counter. No workgroup waits for another, so this needs no co-residency.
+// TAIL 1 (router): softmax top-k of each token's logits (topk.wgsl) into tids and tacc — the
+// router kernel's work. TAIL 2 (experts' down, grouped, one output row block per dispatch x):
+// tacc[t, r] += Σ_s rw[t·k + s] · y[t·k + s, r] over the k = tail_k slots of each token for the
+// block's rows — the weighted sum of a token's experts into the residual (weighted_sum.wgsl).
+//
 // Staged layout: the VPC vec4s of x that chunk k needs are stored "chunk-minor", vec4 i of chunk
 // k of token t at (t·VPC + i)·NCH + k, so the lanes of a subgroup, which work on consecutive
 // chunks, read consecutive vec4s: no bank conflicts. (In x's natural order a q4 chunk's inputs
@@ -48,6 +59,11 @@ struct Params {
     rw_off: u32,       // REDUCE: f32 index of slot 0's weight
     hn_off: u32,       // NORM_OUT: vec4 index of token 0's normed row
     hn_per: u32,       // NORM_OUT: vec4s of the normed rows each workgroup (dispatch x) writes
+    tail_n: u32,       // TAIL: workgroups per counter
+    tail_k: u32,       // TAIL: k (router), slots per token (sum)
+    tail_norm: u32,    // TAIL 1: renormalize the k probabilities
+    tail_a: u32,       // TAIL 1: index of token 0's first id in tids; TAIL 2: f32 index of tacc
+    tail_b: u32,       // TAIL 1: index of token 0's first weight in tacc
     _pad0: u32,
     _pad1: u32,
 }
@@ -65,6 +81,11 @@ override REDUCE: bool = false;
 // With NORM: also write the normed inputs to hn, each workgroup (dispatch x) its share of the
 // columns, so that later products of the same input read them instead of renormalizing.
 override NORM_OUT: bool = false;
+// 0: none; 1: router top-k; 2: weighted sum of the slots into tacc (see the header).
+override TAIL: u32 = 0u;
+// TAIL 1: the experts (rows) and k the tail's arrays hold.
+override TAIL_E: u32 = 1u;
+override TAIL_K: u32 = 1u;
 // vec4s of x per 16-byte chunk of codes: 8, 16, 32 or 64 inputs.
 override VPC: u32 = select(select(select(16u, 8u, DTYPE == 2u || DTYPE >= 4u), 4u, DTYPE == 1u), 2u, DTYPE == 0u);
 // Chunks per row and tile.
@@ -93,6 +114,10 @@ const NONE: u32 = 0xffffffffu;
 @group(0) @binding(5) var<storage, read> nw: array<vec4<f32>>;
 @group(0) @binding(6) var<storage, read> rw: array<f32>;
 @group(0) @binding(7) var<storage, read_write> hn: array<vec4<f32>>;
+@group(0) @binding(8) var<storage, read_write> done: array<atomic<u32>>;
+@group(0) @binding(9) var<storage, read_write> tids: array<u32>;
+@group(0) @binding(10) var<storage, read_write> tacc: array<f32>;
+@group(0) @binding(11) var<storage, read_write> ya: array<atomic<u32>>;
 
 var<workgroup> xs: array<vec4<f32>, XS_LEN>;
 // q4 variants: per (token, half, chunk), DTYPE 4: Σx of the chunk's 16 low- or high-nibble
@@ -112,6 +137,13 @@ var<workgroup> inv_rms: array<f32, NT_MAX>;
 var<workgroup> slot_base: array<u32, NT_MAX>;
 var<workgroup> slot_w: array<f32, NT_MAX>;
 override SSQ_LEN: u32 = select(1u, NT * 64u, NORM);
+// TAIL 1's arrays (topk.wgsl) and the tail's election.
+var<workgroup> tk_lg: array<f32, TAIL_E>;
+var<workgroup> tk_id: array<u32, TAIL_K>;
+var<workgroup> tk_w: array<f32, TAIL_K>;
+var<workgroup> tk_red: array<f32, TK_RED_LEN>;
+override TK_RED_LEN: u32 = select(1u, 64u, TAIL == 1u);
+var<workgroup> last: u32;
 
 // Where vec4 i of chunk k sits in the tile's natural order (vec4 units).
 fn natural(k: u32, i: u32) -> u32 {
@@ -380,26 +412,46 @@ fn item_row(i: u32, row0: u32, wbase: u32) -> u32 {
     return wbase + row * p.row_stride + (i % g) * p.w_up_off;
 }
 
-// The U items from i0 on, over the tile's chunks: each lane loads S chunks (codes and their
-// parameter words) of every item, then multiplies them, until the tile's chunks are done (one
-// round when S·ss covers them); the subgroup's sums are added to `part`.
-fn items(i0: u32, row0: u32, wbase: u32, cfirst: u32, nchunks: u32, lane: u32, ss: u32) {
+// A lane's loads of one round: S chunks (codes and their parameter words) of each of U items.
+struct Loads {
+    q: array<vec4<u32>, LD>,
+    pw: array<u32, LD>,
+}
+
+// Round cb's loads of the U items at weight rows rbs (NONE: past the rows).
+fn load_round(rbs: ptr<function, array<u32, LD>>, cfirst: u32, nchunks: u32, cb: u32, lane: u32, ss: u32, l: ptr<function, Loads>) {
+    for (var u = 0u; u < U; u++) {
+        for (var s = 0u; s < S; s++) {
+            let k = cb + lane + s * ss;
+            if (*rbs)[u] != NONE && k < nchunks {
+                (*l).q[u * S + s] = w[(*rbs)[u] + cfirst + k];
+                (*l).pw[u * S + s] = pword((*rbs)[u], cfirst + k);
+            }
+        }
+    }
+}
+
+fn item_rows(i0: u32, row0: u32, wbase: u32) -> array<u32, LD> {
     var rbs: array<u32, LD>;
-    var acc: array<array<f32, NT_MAX>, LD>;
     for (var u = 0u; u < U; u++) {
         rbs[u] = item_row(i0 + u, row0, wbase);
     }
+    return rbs;
+}
+
+// The U items from i0 on, over the tile's chunks: each lane loads S chunks (codes and their
+// parameter words) of every item, then multiplies them, until the tile's chunks are done (one
+// round when S·ss covers them); the subgroup's sums are added to `part`. `pre`: round 0's loads,
+// issued before the inputs were staged (see main), when `have_pre`.
+fn items(i0: u32, row0: u32, wbase: u32, cfirst: u32, nchunks: u32, lane: u32, ss: u32, pre: ptr<function, Loads>, have_pre: bool) {
+    var rbs = item_rows(i0, row0, wbase);
+    var acc: array<array<f32, NT_MAX>, LD>;
     for (var cb = 0u; cb < nchunks; cb += S * ss) {
-        var q: array<vec4<u32>, LD>;
-        var pw: array<u32, LD>;
-        for (var u = 0u; u < U; u++) {
-            for (var s = 0u; s < S; s++) {
-                let k = cb + lane + s * ss;
-                if rbs[u] != NONE && k < nchunks {
-                    q[u * S + s] = w[rbs[u] + cfirst + k];
-                    pw[u * S + s] = pword(rbs[u], cfirst + k);
-                }
-            }
+        var l: Loads;
+        if have_pre && cb == 0u {
+            l = *pre;
+        } else {
+            load_round(&rbs, cfirst, nchunks, cb, lane, ss, &l);
         }
         for (var u = 0u; u < U; u++) {
             // REDUCE: the item's slot is its one "token".
@@ -412,7 +464,7 @@ fn items(i0: u32, row0: u32, wbase: u32, cfirst: u32, nchunks: u32, lane: u32, s
             for (var s = 0u; s < S; s++) {
                 let k = cb + lane + s * ss;
                 if rbs[u] != NONE && k < nchunks {
-                    chunk(q[u * S + s], pw[u * S + s], cfirst + k, k, ta, tb, &acc, u);
+                    chunk(l.q[u * S + s], l.pw[u * S + s], cfirst + k, k, ta, tb, &acc, u);
                 }
             }
         }
@@ -433,6 +485,63 @@ fn items(i0: u32, row0: u32, wbase: u32, cfirst: u32, nchunks: u32, lane: u32, s
                     part[2u * ((i / g) * NT + t) + i % g] += s;
                 }
             }
+        }
+    }
+}
+
+// Counts this workgroup in on counter c, which tail_n workgroups share; true (uniformly) in the
+// last of them, which then sees all of their storage writes.
+fn arrive(li: u32, c: u32) -> bool {
+    // Publish this workgroup's writes device-wide before counting in.
+    storageBarrier();
+    if li == 0u {
+        let is_last = atomicAdd(&done[c], 1u) + 1u == p.tail_n;
+        if is_last {
+            // Ready for the next dispatch (dispatches of one kernel never overlap).
+            atomicStore(&done[c], 0u);
+        }
+        last = u32(is_last);
+    }
+    let l = workgroupUniformLoad(&last) != 0u;
+    storageBarrier();
+    return l;
+}
+
+fn y_at(i: u32) -> f32 {
+    return bitcast<f32>(atomicLoad(&ya[i]));
+}
+
+// TAIL 1 in the last workgroup of token tile wid.z: route tokens t0..t0 + nt.
+fn tail_route(li: u32, sg: u32, nsg: u32, lane: u32, t0: u32, nt: u32) {
+    for (var t = t0; t < t0 + nt; t++) {
+        for (var e = li; e < p.rows; e += WG) {
+            tk_lg[e] = tk_clean(y_at(p.y_off + t * p.y_tok + e));
+        }
+        softmax_topk(li, WG, sg, nsg, lane, p.rows, p.tail_k, p.tail_norm != 0u);
+        for (var r = li; r < p.tail_k; r += WG) {
+            tids[p.tail_a + t * p.tail_k + r] = tk_id[r];
+            tacc[p.tail_b + t * p.tail_k + r] = tk_w[r];
+        }
+        // Nobody may still read this token's choice when the next one's logits land.
+        workgroupBarrier();
+    }
+}
+
+// TAIL 2 in the last workgroup of row block wid.x: each token's k slots summed into tacc.
+fn tail_sum(li: u32, row0: u32) {
+    let k = p.tail_k;
+    let n_tok = p.tail_n / k;
+    for (var i = li; i < ROWS * n_tok; i += WG) {
+        let row = row0 + i % ROWS;
+        let t = i / ROWS;
+        if row < p.rows {
+            let ai = p.tail_a + t * p.rows + row;
+            var a = tacc[ai];
+            for (var s = 0u; s < k; s++) {
+                let slot = t * k + s;
+                a += rw[p.rw_off + slot] * y_at(p.y_off + slot * p.y_slot + row);
+            }
+            tacc[ai] = a;
         }
     }
 }
@@ -470,6 +579,15 @@ fn main(
         slot_base[li] = p.w_off + ids[p.ids_off + slot] * p.w_mat_stride;
         slot_w[li] = rw[p.rw_off + slot];
     }
+    // A row that fits one tile: the subgroup's first loads are issued now, so that their trip to
+    // memory overlaps the norm and the staging of the inputs instead of following them.
+    let n_items = select(ROWS * select(1u, 2u, GATED), ROWS * NT, REDUCE);
+    let prefetch = !REDUCE && p.cols <= TILE;
+    var pre: Loads;
+    if prefetch && sg * U < n_items {
+        var rbs = item_rows(sg * U, row0, wbase);
+        load_round(&rbs, 0u, p.cols / cv, 0u, lane, ss, &pre);
+    }
     if NORM {
         rms(li, sg, nsg, lane, xbase, nt);
     }
@@ -480,9 +598,8 @@ fn main(
         stage(li, xbase, c0, tc, nt, t0, wid.x * p.hn_per, (wid.x + 1u) * p.hn_per);
         let nchunks = tc / cv;
         let cfirst = c0 / cv;
-        let n_items = select(ROWS * select(1u, 2u, GATED), ROWS * NT, REDUCE);
         for (var i0 = sg * U; i0 < n_items; i0 += nsg * U) {
-            items(i0, row0, wbase, cfirst, nchunks, lane, ss);
+            items(i0, row0, wbase, cfirst, nchunks, lane, ss, &pre, prefetch && i0 == sg * U);
         }
     }
     workgroupBarrier();
@@ -518,5 +635,11 @@ fn main(
             }
             y[yi] = v;
         }
+    }
+    if TAIL == 1u && arrive(li, wid.z) {
+        tail_route(li, sg, nsg, lane, t0, nt);
+    }
+    if TAIL == 2u && arrive(li, wid.x) {
+        tail_sum(li, row0);
     }
 }

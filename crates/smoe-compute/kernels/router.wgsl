@@ -3,11 +3,7 @@
 // One workgroup per token; writes k u32 expert ids (largest first) and k f32 weights, ready for
 // the grouped matvec and weighted_sum.
 //
-// Selection by rank, not k rounds of argmax: each invocation counts, for its experts, how many
-// others beat them ((logit, index) order, so ranks are a permutation), and the experts ranked
-// below k write themselves into place. A constant number of barriers whatever k is — the k
-// workgroup argmaxes of the first version cost ~10 µs per decode layer on an H200, most of it
-// barriers.
+// The selection itself is topk.wgsl's (prepended), shared with the router matvec's fused tail.
 
 struct Params {
     n_exp: u32,
@@ -28,8 +24,12 @@ const MAX_K: u32 = 64u;
 @group(0) @binding(2) var<storage, read_write> ids: array<u32>;
 @group(0) @binding(3) var<storage, read_write> wts: array<f32>;
 
-var<workgroup> lg: array<f32, MAX_E>;
-var<workgroup> chosen: array<u32, MAX_K>;
+override WG: u32 = 256u;
+
+var<workgroup> tk_lg: array<f32, MAX_E>;
+var<workgroup> tk_id: array<u32, MAX_K>;
+var<workgroup> tk_w: array<f32, MAX_K>;
+var<workgroup> tk_red: array<f32, 64>;
 
 @compute @workgroup_size(WG)
 fn main(
@@ -41,39 +41,12 @@ fn main(
 ) {
     let t = wid.x;
     let n = p.n_exp;
-    var mx = NEG_BIG;
     for (var i = li; i < n; i += WG) {
-        var v = x[p.x_off + t * n + i];
-        // A NaN logit ranks last (and keeps the ranks a permutation, so every slot is written).
-        v = select(v, NEG_BIG, v != v);
-        lg[i] = v;
-        mx = max(mx, v);
+        tk_lg[i] = tk_clean(x[p.x_off + t * n + i]);
     }
-    // (wg_max's barriers also publish lg.)
-    mx = wg_max(mx, sg, nsg, lane);
-    var se = 0.0;
-    var top = 0.0;
-    for (var i = li; i < n; i += WG) {
-        let v = lg[i];
-        let e = exp(v - mx);
-        se += e;
-        var rank = 0u;
-        for (var j = 0u; j < n; j++) {
-            let u = lg[j];
-            rank += u32(u > v || (u == v && j < i));
-        }
-        if rank < p.k {
-            chosen[rank] = i;
-            top += e;
-        }
-    }
-    let sum = wg_sum(se, sg, nsg, lane);
-    // (and its barriers publish chosen.)
-    let total = wg_sum(top, sg, nsg, lane) / sum;
+    softmax_topk(li, WG, sg, nsg, lane, n, p.k, p.normalize != 0u);
     for (var r = li; r < p.k; r += WG) {
-        let e = chosen[r];
-        let pr = exp(lg[e] - mx) / sum;
-        ids[p.ids_off + t * p.k + r] = e;
-        wts[p.w_off + t * p.k + r] = select(pr, pr / total, p.normalize != 0u);
+        ids[p.ids_off + t * p.k + r] = tk_id[r];
+        wts[p.w_off + t * p.k + r] = tk_w[r];
     }
 }

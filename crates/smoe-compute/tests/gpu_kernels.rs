@@ -13,6 +13,8 @@ mod matvec;
 mod msl;
 #[path = "gpu_kernels/ops.rs"]
 mod ops;
+#[path = "gpu_kernels/tails.rs"]
+mod tails;
 
 use smoe_compute::gpu::{wgpu, GpuContext};
 use std::sync::OnceLock;

@@ -33,6 +33,18 @@ pub struct GpuInfo {
     pub bounds_checks: bool,
     /// Why the prefill GEMMs do or do not run on the matrix units (see `MatrixUnits`).
     pub matrix_units: MatrixUnits,
+    /// Whether kernels may finish in their dispatch's last workgroup (`Fuse::route`,
+    /// `Fuse::sum_into`; see `fused_tails_probe`).
+    pub fused_tails: bool,
+}
+
+/// Fused tails rely on a storage barrier publishing a workgroup's writes device-wide before its
+/// atomic count-in: naga emits a device-scope acquire-release barrier for SPIR-V (Vulkan), while
+/// Metal's `threadgroup_barrier(mem_device)` orders memory only within the threadgroup. So they
+/// are used on Vulkan only; `SMOE_FUSED_TAILS=0` turns them off there too.
+fn fused_tails_probe(info: &wgpu::AdapterInfo) -> bool {
+    let off = std::env::var("SMOE_FUSED_TAILS").is_ok_and(|v| v == "0");
+    info.backend == wgpu::Backend::Vulkan && !off
 }
 
 /// Whether the prefill GEMMs use the matrix units (tensor cores): `kernels/matmul_coop.wgsl`,
@@ -122,6 +134,11 @@ impl fmt::Display for GpuInfo {
             "shader bounds checks: {}",
             if self.bounds_checks { "on" } else { "off" }
         )?;
+        writeln!(
+            f,
+            "fused tails (router top-k, experts' sum in their matvecs): {}",
+            if self.fused_tails { "on" } else { "off" }
+        )?;
         match &self.matrix_units {
             MatrixUnits::Used => write!(f, "matrix units (prefill GEMMs): f16 16x16x16, f32 sums"),
             MatrixUnits::Unused(why) => write!(f, "matrix units (prefill GEMMs): not used ({why})"),
@@ -199,7 +216,9 @@ impl GpuContext {
             })
             .await
             .map_err(|e| GpuError::Device(e.to_string()))?;
+        let fused_tails = fused_tails_probe(&ainfo);
         let info = GpuInfo {
+            fused_tails,
             adapter: ainfo,
             features,
             limits,
@@ -222,6 +241,11 @@ impl GpuContext {
 
     pub fn limits(&self) -> &wgpu::Limits {
         &self.info.limits
+    }
+
+    /// Whether decode kernels may run their follow-up work in their last workgroup.
+    pub fn fused_tails(&self) -> bool {
+        self.info.fused_tails
     }
 
     /// Whether the prefill GEMMs can run on the matrix units (`MatrixUnits`).

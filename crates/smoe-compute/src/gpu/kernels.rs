@@ -1,14 +1,16 @@
 //! The WGSL sources, compiled into the binary. One file per kernel in `kernels/`, each with a
 //! `main` entry point; shared fragments (`common.wgsl`: workgroup reductions;
-//! `gemm_common.wgsl`: the GEMMs' parameters, bindings, loads and weight decoding) are prepended
+//! `gemm_common.wgsl`: the GEMMs' parameters, bindings, loads and weight decoding; `topk.wgsl`:
+//! the router's softmax top-k) are prepended
 //! to the kernels that use them, since WGSL has no includes.
 
 const COMMON: &str = include_str!("../../kernels/common.wgsl");
 const GEMM_COMMON: &str = include_str!("../../kernels/gemm_common.wgsl");
+const TOPK: &str = include_str!("../../kernels/topk.wgsl");
 
 /// (name, source, fragments prepended to it)
 const KERNELS: &[(&str, &str, &[&str])] = &[
-    ("matvec", include_str!("../../kernels/matvec.wgsl"), &[]),
+    ("matvec", include_str!("../../kernels/matvec.wgsl"), &[TOPK]),
     (
         "matmul",
         include_str!("../../kernels/matmul.wgsl"),
@@ -52,7 +54,7 @@ const KERNELS: &[(&str, &str, &[&str])] = &[
     (
         "router",
         include_str!("../../kernels/router.wgsl"),
-        &[COMMON],
+        &[TOPK],
     ),
     (
         "weighted_sum",

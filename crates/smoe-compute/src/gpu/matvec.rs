@@ -67,6 +67,35 @@ pub struct Fuse<'a> {
     /// products of the same input can read them instead of renormalizing (each workgroup
     /// writes a share of the columns). Not grouped.
     pub norm_out: Option<BufRef<'a>>,
+    /// Ungrouped: the dispatch's last workgroup routes each token from the logits it wrote (y:
+    /// `[n_tokens][rows]`, rows = experts): what `Router` does, without its dependent dispatch.
+    /// Vulkan only (`GpuContext::fused_tails`).
+    pub route: Option<RouteTail<'a>>,
+    /// Grouped, ungated, one token: after each block of output rows, its last workgroup adds
+    /// each token's `k` slots weighted into `acc`: `acc[t] += Σ_j w[t·k + j] · y[t·k + j]` — what
+    /// `WeightedSum` does, without its dependent dispatch. Vulkan only.
+    pub sum_into: Option<SumTail<'a>>,
+}
+
+/// `Fuse::route`: where the router's choice goes, as `Router` writes it.
+#[derive(Clone, Copy, Debug)]
+pub struct RouteTail<'a> {
+    /// `[n_tokens][k]` u32 expert ids, most probable first.
+    pub ids: BufRef<'a>,
+    /// `[n_tokens][k]` f32 probabilities, renormalised over the k when `normalize`.
+    pub weights: BufRef<'a>,
+    pub k: usize,
+    pub normalize: bool,
+}
+
+/// `Fuse::sum_into`: the weighted sum of each token's k slots into a residual.
+#[derive(Clone, Copy, Debug)]
+pub struct SumTail<'a> {
+    /// `[n_slots / k][rows]` f32, added to.
+    pub acc: BufRef<'a>,
+    /// `[n_slots]` f32, e.g. the router's weights.
+    pub weights: BufRef<'a>,
+    pub k: usize,
 }
 
 #[repr(C)]
@@ -93,6 +122,11 @@ struct Params {
     rw_off: u32,
     hn_off: u32,
     hn_per: u32,
+    tail_n: u32,
+    tail_k: u32,
+    tail_norm: u32,
+    tail_a: u32,
+    tail_b: u32,
     _pad: [u32; 2],
 }
 
@@ -250,6 +284,116 @@ fn dtype_code(d: DType, t: MatVecTuning) -> Result<f64, GpuError> {
     })
 }
 
+/// `TAIL` of the kernel: 0 none, 1 route, 2 sum.
+fn tail_kind(f: &Fuse) -> u32 {
+    match (f.route.is_some(), f.sum_into.is_some()) {
+        (true, _) => 1,
+        (_, true) => 2,
+        _ => 0,
+    }
+}
+
+/// The bindings and parameters of a fused tail (placeholders without one).
+struct Tail<'a> {
+    kind: u32,
+    /// The last-workgroup counters: one per token tile (route) or row block (sum), zeroed at
+    /// creation; the last workgroup resets its own.
+    done: wgpu::Buffer,
+    /// Bound where a tail has no buffer of its own.
+    spare: wgpu::Buffer,
+    ids: Option<Binding<'a>>,
+    acc: Option<Binding<'a>>,
+    k: u32,
+    normalize: u32,
+    a_off: u32,
+    b_off: u32,
+}
+
+impl<'a> Tail<'a> {
+    fn bind(
+        ctx: &GpuContext,
+        d: &MatVecDesc<'a>,
+        f: &Fuse<'a>,
+        err: &dyn Fn(String) -> GpuError,
+    ) -> Result<Self, GpuError> {
+        let kind = tail_kind(f);
+        // At most one counter per token (route) or output row (sum).
+        let counters = match kind {
+            1 => d.n_tokens,
+            2 => d.w.rows,
+            _ => 1,
+        };
+        let done = ctx.storage_buffer("matvec tail counters", 4 * counters as u64);
+        let spare = ctx.storage_buffer("matvec (no tail)", 16);
+        if kind == 0 {
+            return Ok(Tail {
+                kind,
+                ids: None,
+                acc: None,
+                done,
+                spare,
+                k: 0,
+                normalize: 0,
+                a_off: 0,
+                b_off: 0,
+            });
+        }
+        if !ctx.fused_tails() {
+            return Err(err(format!(
+                "fused tails are off on this adapter ({})",
+                ctx.info().adapter.backend
+            )));
+        }
+        if f.route.is_some() && f.sum_into.is_some() || f.reduce.is_some() {
+            return Err(err("one tail at a time, and not with a reduce".into()));
+        }
+        if let Some(r) = f.route {
+            if d.grouped.is_some() || d.up_offset.is_some() || f.accumulate {
+                return Err(err("routing needs an ungrouped, ungated product".into()));
+            }
+            if d.w.rows > super::router::MAX_EXPERTS || r.k == 0 || r.k > d.w.rows.min(super::router::MAX_TOP_K) {
+                return Err(err(format!(
+                    "routing: {} of {} experts (at most {} of {})",
+                    r.k, d.w.rows, super::router::MAX_TOP_K, super::router::MAX_EXPERTS
+                )));
+            }
+            let (ids, a_off) = r.ids.bind(ctx, "matvec route ids", r.k * d.n_tokens, 4)?;
+            let (acc, b_off) = r.weights.bind(ctx, "matvec route weights", r.k * d.n_tokens, 4)?;
+            return Ok(Tail {
+                kind,
+                done,
+                spare,
+                ids: Some(ids),
+                acc: Some(acc),
+                k: r.k as u32,
+                normalize: r.normalize as u32,
+                a_off,
+                b_off,
+            });
+        }
+        let t = f.sum_into.expect("kind 2");
+        let slots = d.grouped.map_or(0, |g| g.n_slots);
+        if d.grouped.is_none() || d.up_offset.is_some() || f.accumulate || d.n_tokens != 1 {
+            return Err(err("a sum tail needs a grouped, ungated product of one token".into()));
+        }
+        if t.k == 0 || slots % t.k != 0 {
+            return Err(err(format!("{slots} slots do not sum in groups of {}", t.k)));
+        }
+        let (acc, a_off) = t.acc.bind(ctx, "matvec sum target", slots / t.k * d.w.rows, 4)?;
+        Ok(Tail {
+            kind,
+            done,
+            spare,
+            ids: None,
+            acc: Some(acc),
+            k: t.k as u32,
+            normalize: 0,
+            a_off,
+            b_off: 0,
+        })
+    }
+}
+
 impl MatVec {
     pub fn new(ctx: &GpuContext, d: &MatVecDesc) -> Result<Self, GpuError> {
         Self::fused(ctx, d, &Fuse::default())
@@ -354,6 +498,9 @@ impl MatVec {
                 ("ACCUM", f.accumulate as u8 as f64),
                 ("REDUCE", f.reduce.is_some() as u8 as f64),
                 ("NORM_OUT", f.norm_out.is_some() as u8 as f64),
+                ("TAIL", tail_kind(f) as f64),
+                ("TAIL_E", if f.route.is_some() { w.rows } else { 1 } as f64),
+                ("TAIL_K", f.route.map_or(1, |r| r.k) as f64),
                 ("U", items_u as f64),
                 ("S", steps as f64),
             ],
@@ -393,9 +540,10 @@ impl MatVec {
                 (Binding::whole(&unused), 0, 0.0)
             }
         };
-        let (rb, rw_off) = match f.reduce {
-            Some((rw, _)) => rw.bind(ctx, "matvec reduce weights", n_slots, 4)?,
-            None => (nb, 0),
+        let (rb, rw_off) = match (f.reduce, f.sum_into) {
+            (Some((rw, _)), _) => rw.bind(ctx, "matvec reduce weights", n_slots, 4)?,
+            (None, Some(t)) => t.weights.bind(ctx, "matvec sum weights", n_slots, 4)?,
+            (None, None) => (nb, 0),
         };
         let hn_unused;
         let (hb, hn_off) = match f.norm_out {
@@ -412,6 +560,7 @@ impl MatVec {
                 (Binding::whole(&hn_unused), 0)
             }
         };
+        let tail = Tail::bind(ctx, d, f, &err)?;
         let ids_fallback;
         let (ib, ids_off) = match d.grouped {
             Some(g) => BufRef::at(g.ids, g.ids_offset).bind(ctx, "matvec ids", n_slots, 4)?,
@@ -424,6 +573,11 @@ impl MatVec {
         // Split rows so that each part's weight range fits one storage binding.
         let extra = (n_mats as u64 - 1) * mat_stride + d.up_offset.unwrap_or(0);
         let split = split_rows(ctx, &w, extra, d.grouped.is_none(), "matvec weights", &err)?;
+        if tail.kind != 0 && split.len() > 1 {
+            return Err(err(
+                "a fused tail needs the weights in one storage binding".into()
+            ));
+        }
         let max_wg = ctx.limits().max_compute_workgroups_per_dimension as u64;
         let mut parts = vec![];
         for part in split {
@@ -459,6 +613,15 @@ impl MatVec {
                 rw_off,
                 hn_off,
                 hn_per: (w.cols / 4).div_ceil(rows.div_ceil(tune.rows as u64) as usize) as u32,
+                // Router: every row block of a token tile counts in; sum: every slot of a block.
+                tail_n: match tail.kind {
+                    1 => rows.div_ceil(tune.rows as u64) as u32,
+                    _ => out_slots as u32,
+                },
+                tail_k: tail.k,
+                tail_norm: tail.normalize,
+                tail_a: tail.a_off,
+                tail_b: tail.b_off,
                 _pad: [0; 2],
             };
             let pbuf = ctx.uniform("matvec params", &params);
@@ -474,6 +637,10 @@ impl MatVec {
                     nb.entry(5),
                     rb.entry(6),
                     hb.entry(7),
+                    Binding::whole(&tail.done).entry(8),
+                    tail.ids.unwrap_or(Binding::whole(&tail.spare)).entry(9),
+                    tail.acc.unwrap_or(Binding::whole(&tail.spare)).entry(10),
+                    yb.entry(11),
                 ],
             )?;
             let groups = [

@@ -35,7 +35,9 @@ pub use embed::EmbedGather;
 pub use expert_sort::{ExpertSort, SORT_MAX_EXPERTS, SORT_MAX_SLOTS};
 pub use kernels::{kernel_names, kernel_source};
 pub use matmul::{MatMul, MatMulDesc, MatMulGrouped, MatMulTuning};
-pub use matvec::{Fuse, Grouped, MatVec, MatVecDesc, MatVecTuning, Q4Decode, WeightRef, NT_MAX};
+pub use matvec::{
+    Fuse, Grouped, MatVec, MatVecDesc, MatVecTuning, Q4Decode, RouteTail, SumTail, WeightRef, NT_MAX,
+};
 pub use ops::{Argmax, EltOp, Eltwise, RmsNorm, WeightedSum};
 pub use router::Router;
 pub use timestamps::Timestamps;

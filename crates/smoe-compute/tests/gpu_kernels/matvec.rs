@@ -415,6 +415,7 @@ fn matvec_fused_norm_accumulate_reduce() {
                 accumulate: true,
                 reduce: None,
                 norm_out: Some(BufRef::at(&hbuf, 64)),
+                ..Default::default()
             };
             let mv = MatVec::fused(ctx, &desc, &fuse).unwrap();
             let mut enc = ctx.encoder();
@@ -505,7 +506,7 @@ fn matvec_fused_norm_accumulate_reduce() {
                 norm: None,
                 accumulate: true,
                 reduce: Some((BufRef::new(&wtbuf), k)),
-                norm_out: None,
+                ..Default::default()
             };
             let mv = MatVec::fused(ctx, &desc, &fuse).unwrap();
             let mut enc = ctx.encoder();

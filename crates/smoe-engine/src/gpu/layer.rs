@@ -27,7 +27,8 @@ use super::weights::{FfnW, LayerW, Mlp, Packed};
 use crate::error::EngineError;
 use smoe_compute::gpu::{
     wgpu, BufRef, EltOp, Eltwise, ExpertSort, Fuse, GpuContext, Grouped, MatMul, MatMulDesc,
-    MatMulGrouped, MatMulTuning, MatVec, MatVecDesc, RmsNorm, Router, WeightRef, WeightedSum,
+    MatMulGrouped, MatMulTuning, MatVec, MatVecDesc, RmsNorm, RouteTail, Router, SumTail,
+    WeightRef, WeightedSum,
 };
 use smoe_vault::ModelConfig;
 
@@ -110,6 +111,7 @@ struct B<'a> {
     n: usize,
     /// n ≥ GEMM_MIN.
     gemm: bool,
+    norm_topk: bool,
 }
 
 /// The normed input of a block: `hn` written by a separate RMSNorm, or x normed inside each
@@ -166,6 +168,37 @@ impl B<'_> {
         };
         let k = MatMul::new(self.ctx, &d).map_err(gpu_err)?;
         Ok(Op::new(step, k))
+    }
+
+    /// A router's logits (a matvec even for a batch: it is small) and its top-k into `out`
+    /// (logits, ids, weights): the top-k in the matvec's last workgroup where the adapter allows
+    /// (`GpuContext::fused_tails`), otherwise a `Router` dispatch after it.
+    #[allow(clippy::too_many_arguments)]
+    fn route<'r>(
+        &self,
+        step: &'static str,
+        router: &Packed,
+        x: BufRef<'r>,
+        out: [BufRef<'r>; 3],
+        mut fuse: Fuse<'r>,
+        n_exp: usize,
+        k: usize,
+    ) -> Result<Vec<Op>, EngineError> {
+        let [logits, ids, weights] = out;
+        let normalize = self.norm_topk;
+        if self.ctx.fused_tails() {
+            fuse.route = Some(RouteTail {
+                ids,
+                weights,
+                k,
+                normalize,
+            });
+            return Ok(vec![self.mv(step, router.w(0), None, x, logits, None, fuse)?]);
+        }
+        let mv = self.mv(step, router.w(0), None, x, logits, None, fuse)?;
+        let r = Router::new(self.ctx, logits, ids, weights, n_exp, k, self.n, normalize);
+        let label = if step == "router" { "router top-k" } else { step };
+        Ok(vec![mv, Op::new(label, r.map_err(gpu_err)?)])
     }
 
     /// x += weights[t·k + s] · y[t·k + s] over each token's k rows of y.
@@ -304,6 +337,7 @@ impl LayerOps {
             a,
             n,
             gemm: n >= GEMM_MIN,
+            norm_topk: c.norm_topk_prob,
         };
         let d = a.d;
         let eps = c.rms_norm_eps as f32;
@@ -386,41 +420,20 @@ impl LayerOps {
                 // norm fused in, it also writes the normed input to hn, which the experts and the
                 // lookahead then read instead of each of their workgroups renormalizing x.
                 let hn = BufRef::new(&a.hn);
-                let router = match (b.gemm, input) {
-                    (false, Input::Fused(nw, eps)) => {
-                        let fuse = Fuse {
-                            norm: Some((nw, eps)),
-                            norm_out: Some(hn),
-                            ..Fuse::default()
-                        };
-                        let x = BufRef::new(&a.x);
-                        b.mv("router", router.w(0), None, x, rlog, None, fuse)
-                    }
-                    _ => b.mv("router", router.w(0), None, hn, rlog, None, Fuse::default()),
-                };
-                post.push(router?);
-                let input = Input::Normed;
-                let route = Router::new(ctx, rlog, ids, rw, e.n, k, n, c.norm_topk_prob);
-                post.push(Op::new("router top-k", route.map_err(gpu_err)?));
-                if let Some(next) = next_router {
-                    let [alog, aids, aw] = a.ahead.each_ref().map(BufRef::new);
-                    let hn = BufRef::new(&a.hn);
-                    let guess = match b.gemm {
-                        true => b.mv(
-                            "lookahead",
-                            next.w(0),
-                            None,
-                            hn,
-                            alog,
-                            None,
-                            Fuse::default(),
-                        ),
-                        false => b.mv_in("lookahead", input, next.w(0), None, alog, None),
-                    };
-                    lookahead.push(guess?);
-                    let route = Router::new(ctx, alog, aids, aw, e.n, k, n, c.norm_topk_prob);
-                    lookahead.push(Op::new("lookahead", route.map_err(gpu_err)?));
+                let mut fuse = Fuse::default();
+                let mut x = hn;
+                if let (false, Input::Fused(nw, eps)) = (b.gemm, input) {
+                    fuse.norm = Some((nw, eps));
+                    fuse.norm_out = Some(hn);
+                    x = BufRef::new(&a.x);
                 }
+                post.extend(b.route("router", router, x, [rlog, ids, rw], fuse, e.n, k)?);
+                if let Some(next) = next_router {
+                    let ahead = a.ahead.each_ref().map(BufRef::new);
+                    let guess = b.route("lookahead", next, hn, ahead, Fuse::default(), e.n, k)?;
+                    lookahead.extend(guess);
+                }
+                let input = Input::Normed;
                 experts_at = Some(post.len());
                 // Slot t·k + s is token t's s-th expert: gate_up reads token t's input (k slots
                 // share it), down reads its slot's gate_up output and sums each token's k slots
@@ -462,10 +475,25 @@ impl LayerOps {
                     // reduce (`Fuse::reduce`, a workgroup per 16 rows of all k experts), but the
                     // reduce's 128 workgroups each stage all k inputs and walk k × 16 items, and
                     // on an H200 the pair is faster: 262.5 → 281.2 tok/s decode (30B shapes, q4).
+                    // Where the adapter allows (`GpuContext::fused_tails`), the sum runs in each
+                    // row block's last workgroup of the down projection: one dispatch fewer.
                     let eo = BufRef::new(&a.eo);
                     let g = Some(grouped(1));
-                    post.push(b.mv("experts down", down, None, gu, eo, g, Fuse::default())?);
-                    post.push(b.add_to_x("experts sum", eo, rw, k)?);
+                    if ctx.fused_tails() {
+                        let sum = SumTail {
+                            acc: BufRef::new(&a.x),
+                            weights: rw,
+                            k,
+                        };
+                        let fuse = Fuse {
+                            sum_into: Some(sum),
+                            ..Fuse::default()
+                        };
+                        post.push(b.mv("experts down", down, None, gu, eo, g, fuse)?);
+                    } else {
+                        post.push(b.mv("experts down", down, None, gu, eo, g, Fuse::default())?);
+                        post.push(b.add_to_x("experts sum", eo, rw, k)?);
+                    }
                 }
                 if let Some((m, gate)) = shared {
                     b.mlp(m, input, false, &mut post)?;
