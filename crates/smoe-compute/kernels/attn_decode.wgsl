@@ -5,6 +5,13 @@
 // its running max m and sum l; attn_combine merges the splits. With one split (DIRECT) the
 // workgroup writes the final output itself and no combine pass runs: one dependent dispatch
 // less per layer, which is what short-context decoding is made of.
+//
+// ROPE (one token): q, k and v arrive as the qkv projection wrote them, and the kernel does
+// qk_norm_rope.wgsl's work itself, saving that dependent dispatch: each workgroup normalizes and
+// rotates its query head into qs and its kv head's new key into kcur (v into vcur), attends to
+// the current position from those and to the earlier ones from the caches, and the first split
+// of the first query head of each kv group appends kcur and vcur to the caches for the tokens
+// that follow. Same rotation code (rope.wgsl), same order of operations: the same results.
 
 struct Params {
     n_heads: u32,
@@ -18,10 +25,23 @@ struct Params {
     scale: f32,
     window: u32, // attend only to the last `window` positions; 0: all
     out_off: u32, // DIRECT: f32 index of token 0's output (token stride n_heads·head_dim)
+    // ROPE: f32 indices of the raw k and v, the norm weights, the inverse frequencies.
+    k_off: u32,
+    v_off: u32,
+    qn_off: u32,
+    kn_off: u32,
+    inv_off: u32,
+    rot_dim: u32,
+    eps: f32,
+    rope_scale: f32,
+    has_norm: u32,
+    _pad0: u32,
+    _pad1: u32,
     _pad2: u32,
 }
 
 override DIRECT: bool = false;
+override ROPE: bool = false;
 
 struct Step {
     pos0: u32,
@@ -41,12 +61,84 @@ override PG: u32 = WG / 32u;
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<uniform> step: Step;
 @group(0) @binding(2) var<storage, read> q: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read> kc: array<vec4<f32>>;
-@group(0) @binding(4) var<storage, read> vc: array<vec4<f32>>;
+// (read_write for ROPE's append; nothing else writes them in this dispatch.)
+@group(0) @binding(3) var<storage, read_write> kc: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read_write> vc: array<vec4<f32>>;
 @group(0) @binding(5) var<storage, read_write> part: array<f32>;
 @group(0) @binding(6) var<storage, read_write> out: array<f32>;
+// ROPE: the raw k and v (q is binding 2), q_norm and k_norm weights, inverse frequencies.
+@group(0) @binding(7) var<storage, read> kraw: array<f32>;
+@group(0) @binding(8) var<storage, read> vraw: array<f32>;
+@group(0) @binding(9) var<storage, read> qnw: array<f32>;
+@group(0) @binding(10) var<storage, read> knw: array<f32>;
+@group(0) @binding(11) var<storage, read> inv: array<f32>;
 
 var<workgroup> qs: array<vec4<f32>, 128>;
+// ROPE: the current position's rotated key and value of this workgroup's kv head.
+var<workgroup> kcur: array<vec4<f32>, KCUR_LEN>;
+var<workgroup> vcur: array<vec4<f32>, KCUR_LEN>;
+override KCUR_LEN: u32 = select(1u, 128u, ROPE);
+
+fn raw(is_q: bool, i: u32) -> f32 {
+    if is_q {
+        return q[i / 4u][i % 4u];
+    }
+    return kraw[i];
+}
+
+fn raw_norm_w(is_q: bool, i: u32) -> f32 {
+    if is_q {
+        return qnw[p.qn_off + i];
+    }
+    return knw[p.kn_off + i];
+}
+
+// qk_norm_rope.wgsl's work on one head starting at f32 index src of q (is_q) or kraw, into qs
+// (times `mul`) or kcur.
+fn norm_rotate(is_q: bool, src: u32, pos: u32, mul: f32, li: u32, sg: u32, nsg: u32, lane: u32) {
+    let hd = p.head_dim;
+    var r = 1.0;
+    if p.has_norm != 0u {
+        var ss = 0.0;
+        for (var i = li; i < hd; i += WG) {
+            let e = raw(is_q, src + i);
+            ss += e * e;
+        }
+        r = 1.0 / sqrt(wg_sum(ss, sg, nsg, lane) / f32(hd) + p.eps);
+    }
+    let half = p.rot_dim / 2u;
+    for (var i = li; i < hd; i += WG) {
+        if i >= half && i < p.rot_dim {
+            continue;
+        }
+        var a = raw(is_q, src + i);
+        if p.has_norm != 0u {
+            a = a * r * raw_norm_w(is_q, i);
+        }
+        var out_a = a;
+        var out_b = 0.0;
+        if i < half {
+            var b = raw(is_q, src + i + half);
+            if p.has_norm != 0u {
+                b = b * r * raw_norm_w(is_q, i + half);
+            }
+            let ab = rotate(a, b, inv[p.inv_off + i], pos, p.rope_scale);
+            out_a = ab.x;
+            out_b = ab.y;
+        }
+        if is_q {
+            qs[i / 4u][i % 4u] = out_a * mul;
+            if i < half {
+                qs[(i + half) / 4u][(i + half) % 4u] = out_b * mul;
+            }
+        } else {
+            kcur[i / 4u][i % 4u] = out_a;
+            if i < half {
+                kcur[(i + half) / 4u][(i + half) % 4u] = out_b;
+            }
+        }
+    }
+}
 var<workgroup> vred: array<vec4<f32>, PG * 128u>;
 var<workgroup> sc: array<f32, WG>;
 
@@ -73,10 +165,27 @@ fn main(
     let chunk = (n_ctx - lo + p.n_split - 1u) / p.n_split;
     let p0 = lo + s * chunk;
     let p1 = min(n_ctx, p0 + chunk);
-    for (var i = li; i < hd4; i += WG) {
-        qs[i] = q[p.q_off + (t * p.n_heads + h) * hd4 + i] * p.scale;
+    let cur = n_ctx - 1u;
+    if ROPE {
+        norm_rotate(true, 4u * p.q_off + h * hd, cur, p.scale, li, sg, nsg, lane);
+        norm_rotate(false, p.k_off + kvh * hd, cur, 1.0, li, sg, nsg, lane);
+        for (var i = li; i < hd4; i += WG) {
+            let b = p.v_off + kvh * hd + 4u * i;
+            vcur[i] = vec4<f32>(vraw[b], vraw[b + 1u], vraw[b + 2u], vraw[b + 3u]);
+        }
+        workgroupBarrier();
+        if s == 0u && h % (p.n_heads / p.n_kv) == 0u {
+            for (var i = li; i < hd4; i += WG) {
+                kc[p.kc_off + cur * (kvw / 4u) + kvh * hd4 + i] = kcur[i];
+                vc[p.vc_off + cur * (kvw / 4u) + kvh * hd4 + i] = vcur[i];
+            }
+        }
+    } else {
+        for (var i = li; i < hd4; i += WG) {
+            qs[i] = q[p.q_off + (t * p.n_heads + h) * hd4 + i] * p.scale;
+        }
+        workgroupBarrier();
     }
-    workgroupBarrier();
     var m = NEG_BIG;
     var l = 0.0;
     var o: array<vec4<f32>, OD4>;
@@ -89,8 +198,14 @@ fn main(
         if pos < p1 {
             let kb = p.kc_off + pos * (kvw / 4u) + kvh * hd4;
             var acc = 0.0;
-            for (var i = 0u; i < hd4; i++) {
-                acc += dot(qs[i], kc[kb + i]);
+            if ROPE && pos == cur {
+                for (var i = 0u; i < hd4; i++) {
+                    acc += dot(qs[i], kcur[i]);
+                }
+            } else {
+                for (var i = 0u; i < hd4; i++) {
+                    acc += dot(qs[i], kc[kb + i]);
+                }
             }
             score = acc;
         }
@@ -107,7 +222,11 @@ fn main(
                 var acc = o[j] * alpha;
                 let vb = p.vc_off + tile * kvw4 + kvh * hd4 + d4;
                 for (var c = pg; c < cnt; c += PG) {
-                    acc += sc[c] * vc[vb + c * kvw4];
+                    if ROPE && tile + c == cur {
+                        acc += sc[c] * vcur[d4];
+                    } else {
+                        acc += sc[c] * vc[vb + c * kvw4];
+                    }
                 }
                 o[j] = acc;
             }

@@ -199,7 +199,33 @@ struct DecodeParams {
     scale: f32,
     window: u32,
     out_off: u32,
-    _pad: u32,
+    k_off: u32,
+    v_off: u32,
+    qn_off: u32,
+    kn_off: u32,
+    inv_off: u32,
+    rot_dim: u32,
+    eps: f32,
+    rope_scale: f32,
+    has_norm: u32,
+    _pad: [u32; 3],
+}
+
+/// `DecodeAttention::with_rope`: what `QkNormRope` would have done first, for one token — q (the
+/// attention's `q`), `k` and `v` as the qkv projection wrote them, normalized per head, rotated,
+/// and k, v appended to the caches, inside the attention dispatch.
+#[derive(Clone, Copy, Debug)]
+pub struct FusedRope<'a> {
+    /// `[n_kv_heads·head_dim]` each.
+    pub k: BufRef<'a>,
+    pub v: BufRef<'a>,
+    /// `(q_norm, k_norm)`, `head_dim` f32 each; `None`: no QK-norm.
+    pub norms: Option<(BufRef<'a>, BufRef<'a>)>,
+    /// `rot_dim / 2` inverse frequencies.
+    pub inv_freq: BufRef<'a>,
+    pub rot_dim: usize,
+    pub rope_scale: f32,
+    pub eps: f32,
 }
 
 #[repr(C)]
@@ -258,6 +284,17 @@ impl DecodeAttention {
         a: &AttnDesc,
         scratch: &wgpu::Buffer,
     ) -> Result<Self, GpuError> {
+        Self::with_rope(ctx, a, scratch, None)
+    }
+
+    /// As `with_scratch`, and with `rope` the kernel also does `QkNormRope`'s work (one token:
+    /// `a.q` then holds the unrotated queries), saving that dispatch.
+    pub fn with_rope(
+        ctx: &GpuContext,
+        a: &AttnDesc,
+        scratch: &wgpu::Buffer,
+        rope: Option<&FusedRope>,
+    ) -> Result<Self, GpuError> {
         let hd = a.head_dim;
         if scratch.size() < Self::scratch_bytes(a) {
             return Err(GpuError::Shape(format!(
@@ -282,6 +319,31 @@ impl DecodeAttention {
         let rows = a.n_tokens * a.n_heads * n_split;
         let part = scratch.clone();
         let ml_off = (rows * hd) as u32;
+        let kvw = a.n_kv_heads * hd;
+        // Without a fused RoPE its bindings are never read: q stands in for them.
+        let mut rb = [(qb, 0u32); 5];
+        let (mut rot_dim, mut rope_scale, mut eps) = (0, 1.0, 0.0);
+        if let Some(r) = rope {
+            if a.n_tokens != 1 || r.rot_dim % 2 != 0 || r.rot_dim > hd {
+                return Err(GpuError::Shape(format!(
+                    "attention with RoPE: {} tokens (1), rot_dim {} of head_dim {hd}",
+                    a.n_tokens, r.rot_dim
+                )));
+            }
+            rb[0] = r.k.bind(ctx, "attention raw k", kvw, 4)?;
+            rb[1] = r.v.bind(ctx, "attention raw v", kvw, 4)?;
+            rb[4] = r
+                .inv_freq
+                .bind(ctx, "attention inv_freq", r.rot_dim / 2, 4)?;
+            (rb[2], rb[3]) = match r.norms {
+                Some((qn, kn)) => (
+                    qn.bind(ctx, "attention q_norm", hd, 4)?,
+                    kn.bind(ctx, "attention k_norm", hd, 4)?,
+                ),
+                None => (rb[4], rb[4]),
+            };
+            (rot_dim, rope_scale, eps) = (r.rot_dim, r.rope_scale, r.eps);
+        }
         let dp = DecodeParams {
             n_heads: a.n_heads as u32,
             n_kv: a.n_kv_heads as u32,
@@ -294,7 +356,16 @@ impl DecodeAttention {
             scale: a.scale,
             window: a.window.unwrap_or(0) as u32,
             out_off,
-            _pad: 0,
+            k_off: rb[0].1,
+            v_off: rb[1].1,
+            qn_off: rb[2].1,
+            kn_off: rb[3].1,
+            inv_off: rb[4].1,
+            rot_dim: rot_dim as u32,
+            eps,
+            rope_scale,
+            has_norm: rope.is_some_and(|r| r.norms.is_some()) as u32,
+            _pad: [0; 3],
         };
         let direct = n_split == 1;
         let unused = ctx.storage_buffer("attention (unused)", 16);
@@ -306,9 +377,18 @@ impl DecodeAttention {
             vb,
             Binding::whole(&part),
             out,
+            rb[0].0,
+            rb[1].0,
+            rb[2].0,
+            rb[3].0,
+            rb[4].0,
         ];
         let groups = [n_split, a.n_heads, a.n_tokens];
-        let consts = [("WG", 128.0), ("DIRECT", direct as u8 as f64)];
+        let consts = [
+            ("WG", 128.0),
+            ("DIRECT", direct as u8 as f64),
+            ("ROPE", rope.is_some() as u8 as f64),
+        ];
         let split = Dispatch::new(ctx, "attn_decode", &consts, &dp, &bufs, groups)?;
         if direct {
             return Ok(DecodeAttention {

@@ -1,12 +1,13 @@
 //! The WGSL sources, compiled into the binary. One file per kernel in `kernels/`, each with a
 //! `main` entry point; shared fragments (`common.wgsl`: workgroup reductions;
 //! `gemm_common.wgsl`: the GEMMs' parameters, bindings, loads and weight decoding; `topk.wgsl`:
-//! the router's softmax top-k) are prepended
+//! the router's softmax top-k; `rope.wgsl`: RoPE's rotation) are prepended
 //! to the kernels that use them, since WGSL has no includes.
 
 const COMMON: &str = include_str!("../../kernels/common.wgsl");
 const GEMM_COMMON: &str = include_str!("../../kernels/gemm_common.wgsl");
 const TOPK: &str = include_str!("../../kernels/topk.wgsl");
+const ROPE: &str = include_str!("../../kernels/rope.wgsl");
 
 /// (name, source, fragments prepended to it)
 const KERNELS: &[(&str, &str, &[&str])] = &[
@@ -34,12 +35,12 @@ const KERNELS: &[(&str, &str, &[&str])] = &[
     (
         "qk_norm_rope",
         include_str!("../../kernels/qk_norm_rope.wgsl"),
-        &[COMMON],
+        &[COMMON, ROPE],
     ),
     (
         "attn_decode",
         include_str!("../../kernels/attn_decode.wgsl"),
-        &[COMMON],
+        &[COMMON, ROPE],
     ),
     (
         "attn_prefill",
@@ -51,11 +52,7 @@ const KERNELS: &[(&str, &str, &[&str])] = &[
         include_str!("../../kernels/attn_combine.wgsl"),
         &[],
     ),
-    (
-        "router",
-        include_str!("../../kernels/router.wgsl"),
-        &[TOPK],
-    ),
+    ("router", include_str!("../../kernels/router.wgsl"), &[TOPK]),
     (
         "weighted_sum",
         include_str!("../../kernels/weighted_sum.wgsl"),

@@ -351,14 +351,22 @@ impl<'a> Tail<'a> {
             if d.grouped.is_some() || d.up_offset.is_some() || f.accumulate {
                 return Err(err("routing needs an ungrouped, ungated product".into()));
             }
-            if d.w.rows > super::router::MAX_EXPERTS || r.k == 0 || r.k > d.w.rows.min(super::router::MAX_TOP_K) {
+            if d.w.rows > super::router::MAX_EXPERTS
+                || r.k == 0
+                || r.k > d.w.rows.min(super::router::MAX_TOP_K)
+            {
                 return Err(err(format!(
                     "routing: {} of {} experts (at most {} of {})",
-                    r.k, d.w.rows, super::router::MAX_TOP_K, super::router::MAX_EXPERTS
+                    r.k,
+                    d.w.rows,
+                    super::router::MAX_TOP_K,
+                    super::router::MAX_EXPERTS
                 )));
             }
             let (ids, a_off) = r.ids.bind(ctx, "matvec route ids", r.k * d.n_tokens, 4)?;
-            let (acc, b_off) = r.weights.bind(ctx, "matvec route weights", r.k * d.n_tokens, 4)?;
+            let (acc, b_off) = r
+                .weights
+                .bind(ctx, "matvec route weights", r.k * d.n_tokens, 4)?;
             return Ok(Tail {
                 kind,
                 done,
@@ -374,12 +382,19 @@ impl<'a> Tail<'a> {
         let t = f.sum_into.expect("kind 2");
         let slots = d.grouped.map_or(0, |g| g.n_slots);
         if d.grouped.is_none() || d.up_offset.is_some() || f.accumulate || d.n_tokens != 1 {
-            return Err(err("a sum tail needs a grouped, ungated product of one token".into()));
+            return Err(err(
+                "a sum tail needs a grouped, ungated product of one token".into(),
+            ));
         }
         if t.k == 0 || slots % t.k != 0 {
-            return Err(err(format!("{slots} slots do not sum in groups of {}", t.k)));
+            return Err(err(format!(
+                "{slots} slots do not sum in groups of {}",
+                t.k
+            )));
         }
-        let (acc, a_off) = t.acc.bind(ctx, "matvec sum target", slots / t.k * d.w.rows, 4)?;
+        let (acc, a_off) = t
+            .acc
+            .bind(ctx, "matvec sum target", slots / t.k * d.w.rows, 4)?;
         Ok(Tail {
             kind,
             done,

@@ -27,7 +27,7 @@ mod router;
 mod spirv;
 mod timestamps;
 
-pub use attention::{AttnDesc, DecodeAttention, QkNormRope, QkNormRopeDesc};
+pub use attention::{AttnDesc, DecodeAttention, FusedRope, QkNormRope, QkNormRopeDesc};
 pub use attn_prefill::{PrefillAttention, PrefillAttnTuning, PREFILL_MAX_HEAD_DIM};
 pub use buffers::{BufRef, StepParams};
 pub use context::{GpuContext, GpuError, GpuInfo, MatrixUnits};
@@ -36,7 +36,8 @@ pub use expert_sort::{ExpertSort, SORT_MAX_EXPERTS, SORT_MAX_SLOTS};
 pub use kernels::{kernel_names, kernel_source};
 pub use matmul::{MatMul, MatMulDesc, MatMulGrouped, MatMulTuning};
 pub use matvec::{
-    Fuse, Grouped, MatVec, MatVecDesc, MatVecTuning, Q4Decode, RouteTail, SumTail, WeightRef, NT_MAX,
+    Fuse, Grouped, MatVec, MatVecDesc, MatVecTuning, Q4Decode, RouteTail, SumTail, WeightRef,
+    NT_MAX,
 };
 pub use ops::{Argmax, EltOp, Eltwise, RmsNorm, WeightedSum};
 pub use router::Router;

@@ -4,8 +4,8 @@
 use super::{assert_close, gpu, nan_buffer, rand_vec};
 use smoe_compute::cpu::ops::{self, AttnShape};
 use smoe_compute::gpu::{
-    AttnDesc, BufRef, DecodeAttention, GpuContext, GpuError, PrefillAttention, PrefillAttnTuning,
-    QkNormRope, QkNormRopeDesc,
+    AttnDesc, BufRef, DecodeAttention, FusedRope, GpuContext, GpuError, PrefillAttention,
+    PrefillAttnTuning, QkNormRope, QkNormRopeDesc,
 };
 
 /// Inverse frequencies as the engine's RopeTable computes them (no YaRN).
@@ -202,6 +202,121 @@ fn decode_attention_matches_cpu_any_context() {
             &want,
             1e-10,
         );
+    }
+}
+
+/// Decode attention with QK-norm, RoPE and the KV append fused in (`DecodeAttention::with_rope`,
+/// one token) against the CPU doing those steps, then attention over the updated caches: the
+/// output, the appended key and value, and the rest of the cache left alone.
+#[test]
+fn decode_attention_with_rope_matches_cpu() {
+    let Some(ctx) = gpu() else { return };
+    // (heads, kv heads, head_dim, pos0, capacity, window, norm): the first position, one split
+    // and several, GQA 1–8, a window, no QK-norm, a head width that is not a multiple of 32.
+    for (nh, nkv, hd, pos0, cap, window, norm) in [
+        (4, 2, 64, 0, 16, None, true),
+        (32, 4, 128, 699, 1500, None, true),
+        (8, 8, 128, 300, 400, None, true),
+        (8, 2, 64, 1000, 1100, Some(128), false),
+        (4, 2, 36, 20, 40, None, true),
+        (16, 4, 128, 40_000, 40_010, Some(4096), true),
+    ] {
+        let what = format!("attention+rope {nh}/{nkv}x{hd} pos0 {pos0} window {window:?}");
+        let (qw, kw) = (nh * hd, nkv * hd);
+        let seed = (nh * 13 + pos0) as u64;
+        let (q, k, v) = (
+            rand_vec(qw, seed, 2.0),
+            rand_vec(kw, seed + 1, 2.0),
+            rand_vec(kw, seed + 2, 2.0),
+        );
+        let (qn, kn) = (rand_vec(hd, seed + 3, 1.5), rand_vec(hd, seed + 4, 1.5));
+        let inv = inv_freq(1e6, hd);
+        let rscale = 1.05;
+        let (mut qc, mut kc) = (q.clone(), k.clone());
+        if norm {
+            ops::rms_norm_inplace(&mut qc, &qn, 1e-6);
+            ops::rms_norm_inplace(&mut kc, &kn, 1e-6);
+        }
+        let (c, sn) = cos_sin(&inv, pos0, rscale);
+        ops::rope_inplace(&mut qc, hd, &c, &sn);
+        ops::rope_inplace(&mut kc, hd, &c, &sn);
+        // Earlier positions random, the current one appended, later ones poisoned.
+        let mut kcache = rand_vec(cap * kw, seed + 5, 1.0);
+        let mut vcache = rand_vec(cap * kw, seed + 6, 1.0);
+        kcache[pos0 * kw..(pos0 + 1) * kw].copy_from_slice(&kc);
+        vcache[pos0 * kw..(pos0 + 1) * kw].copy_from_slice(&v);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let shape = AttnShape {
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: hd,
+            scale,
+            window,
+        };
+        let n_ctx = pos0 + 1;
+        let mut want = vec![0f32; qw];
+        let (kx, vx) = (&kcache[..n_ctx * kw], &vcache[..n_ctx * kw]);
+        ops::attention(&qc, kx, vx, pos0, shape, &mut want);
+
+        // q, k, v in one buffer, as the qkv projection writes them.
+        let qkv = ctx.upload_f32("qkv", &[q.clone(), k.clone(), v.clone()].concat());
+        let poisoned = |mut c: Vec<f32>| {
+            c[pos0 * kw..].iter_mut().for_each(|x| *x = f32::NAN);
+            c
+        };
+        let kb = ctx.upload_f32("k cache", &poisoned(kcache.clone()));
+        let vb = ctx.upload_f32("v cache", &poisoned(vcache.clone()));
+        let ob = nan_buffer(ctx, "out", qw);
+        let norms = ctx.upload_f32("norms", &[qn.clone(), kn.clone()].concat());
+        let invb = ctx.upload_f32("inv_freq", &inv);
+        let step = ctx.step_buffer();
+        ctx.write_step(&step, pos0 as u32);
+        let desc = AttnDesc {
+            q: BufRef::new(&qkv),
+            k_cache: BufRef::new(&kb),
+            v_cache: BufRef::new(&vb),
+            out: BufRef::new(&ob),
+            step: &step,
+            n_heads: nh,
+            n_kv_heads: nkv,
+            head_dim: hd,
+            n_tokens: 1,
+            capacity: cap,
+            scale,
+            window,
+        };
+        let rope = FusedRope {
+            k: BufRef::at(&qkv, 4 * qw as u64),
+            v: BufRef::at(&qkv, 4 * (qw + kw) as u64),
+            norms: norm.then(|| (BufRef::new(&norms), BufRef::at(&norms, 4 * hd as u64))),
+            inv_freq: BufRef::new(&invb),
+            rot_dim: hd,
+            rope_scale: rscale,
+            eps: 1e-6,
+        };
+        let scratch = ctx.storage_buffer("partials", DecodeAttention::scratch_bytes(&desc));
+        let attn = DecodeAttention::with_rope(ctx, &desc, &scratch, Some(&rope)).unwrap();
+        let mut enc = ctx.encoder();
+        attn.encode(&mut enc);
+        ctx.submit_wait(enc);
+        let got = ctx.read_f32(&ob, 0, qw).unwrap();
+        assert_close(&what, &got, &want, 1e-10);
+        let at = |p: usize| (4 * p * kw) as u64;
+        let kgot = ctx.read_f32(&kb, at(pos0), kw).unwrap();
+        assert_close(&format!("{what}: appended k"), &kgot, &kc, 1e-10);
+        let vgot = ctx.read_f32(&vb, at(pos0), kw).unwrap();
+        assert_close(&format!("{what}: appended v"), &vgot, &v, 0.0);
+        if pos0 + 1 < cap {
+            let after = ctx.read_f32(&kb, at(pos0 + 1), kw).unwrap();
+            assert!(after.iter().all(|x| x.is_nan()), "{what}: wrote past pos0");
+        }
+        // More than one token is refused.
+        let two = AttnDesc {
+            n_tokens: 2,
+            ..desc
+        };
+        let scratch2 = ctx.storage_buffer("partials", DecodeAttention::scratch_bytes(&two));
+        assert!(DecodeAttention::with_rope(ctx, &two, &scratch2, Some(&rope)).is_err());
     }
 }
 

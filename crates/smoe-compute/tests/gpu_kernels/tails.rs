@@ -109,7 +109,10 @@ fn route_tail_matches_cpu_top_k() {
             assert_close(&format!("{what}: weights"), got_w, &want_w, 1e-10);
         }
         let poison = ctx.read_u32(&ibuf, 0, 8).unwrap();
-        assert!(poison.iter().all(|&v| v == u32::MAX), "{what}: ids before the offset");
+        assert!(
+            poison.iter().all(|&v| v == u32::MAX),
+            "{what}: ids before the offset"
+        );
     }
 }
 
@@ -195,7 +198,8 @@ fn sum_tail_matches_cpu_weighted_sum() {
             };
             let mv = MatVec::fused(ctx, &desc, &fuse).unwrap();
             run_twice(ctx, &mv, || {
-                ctx.queue.write_buffer(&abuf, 64, bytemuck::cast_slice(&acc0));
+                ctx.queue
+                    .write_buffer(&abuf, 64, bytemuck::cast_slice(&acc0));
             });
             let y = ctx.read_f32(&ybuf, 0, ids.len() * rows).unwrap();
             let mut want_y = vec![0f32; ids.len() * rows];
@@ -217,7 +221,10 @@ fn sum_tail_matches_cpu_weighted_sum() {
             let got = ctx.read_f32(&abuf, 64, n_tok * rows).unwrap();
             assert_close(&what, &got, &want, 1e-12);
             let poison = ctx.read_f32(&abuf, 0, 16).unwrap();
-            assert!(poison.iter().all(|v| v.is_nan()), "{what}: before the offset");
+            assert!(
+                poison.iter().all(|v| v.is_nan()),
+                "{what}: before the offset"
+            );
         }
     }
 }
@@ -262,12 +269,25 @@ fn bad_tails_are_refused() {
     };
     let bad = [
         // k larger than the experts, and 0.
-        Fuse { route: Some(route(65)), ..Default::default() },
-        Fuse { route: Some(route(0)), ..Default::default() },
+        Fuse {
+            route: Some(route(65)),
+            ..Default::default()
+        },
+        Fuse {
+            route: Some(route(0)),
+            ..Default::default()
+        },
         // A sum over an ungrouped product.
-        Fuse { sum_into: Some(sum), ..Default::default() },
+        Fuse {
+            sum_into: Some(sum),
+            ..Default::default()
+        },
         // Both at once.
-        Fuse { route: Some(route(2)), sum_into: Some(sum), ..Default::default() },
+        Fuse {
+            route: Some(route(2)),
+            sum_into: Some(sum),
+            ..Default::default()
+        },
     ];
     for f in bad {
         let e = MatVec::fused(ctx, &desc, &f);

@@ -13,7 +13,7 @@ use super::weights::Weights;
 use super::{batch_sizes, gpu_err};
 use crate::error::EngineError;
 use smoe_compute::gpu::{
-    wgpu, AttnDesc, BufRef, DecodeAttention, GpuContext, PrefillAttention, QkNormRope,
+    wgpu, AttnDesc, BufRef, DecodeAttention, FusedRope, GpuContext, PrefillAttention, QkNormRope,
     QkNormRopeDesc,
 };
 use smoe_vault::ModelConfig;
@@ -25,8 +25,9 @@ pub struct GpuKv {
     pub(crate) capacity: usize,
     _k: Vec<wgpu::Buffer>,
     _v: Vec<wgpu::Buffer>,
-    /// `[batch size index][layer]`.
-    ops: Vec<Vec<(QkNormRope, Attention)>>,
+    /// `[batch size index][layer]`: the QK-norm/RoPE/KV-append dispatch (`None` for one
+    /// token, where the decode attention does that work itself) and the attention.
+    ops: Vec<Vec<(Option<QkNormRope>, Attention)>>,
     /// Where this cache goes when its sequence is dropped.
     pool: Weak<KvPool>,
 }
@@ -177,28 +178,45 @@ impl GpuKv {
             let mut scratch: Option<wgpu::Buffer> = None;
             for (l, lw) in x.w.layers.iter().enumerate() {
                 let r = rope_inputs(lw, x.a, c, n);
-                let rope = QkNormRope::new(
-                    x.ctx,
-                    &QkNormRopeDesc {
-                        q: r.q,
-                        k: r.k,
-                        v: r.v,
-                        k_cache: BufRef::new(&k[l]),
-                        v_cache: BufRef::new(&v[l]),
-                        norms: r.norms,
-                        inv_freq: BufRef::new(&x.w.inv_freq),
-                        rot_dim: hd,
-                        rope_scale: x.rope_scale,
-                        eps: c.rms_norm_eps as f32,
-                        step: x.step,
-                        n_heads: c.num_heads,
-                        n_kv_heads: c.num_kv_heads,
-                        head_dim: hd,
-                        n_tokens: n,
-                        capacity,
-                    },
-                )
-                .map_err(gpu_err)?;
+                let eps = c.rms_norm_eps as f32;
+                let inv_freq = BufRef::new(&x.w.inv_freq);
+                // One token: the decode attention normalizes, rotates and appends itself.
+                let fused = (n == 1).then_some(FusedRope {
+                    k: r.k,
+                    v: r.v,
+                    norms: r.norms,
+                    inv_freq,
+                    rot_dim: hd,
+                    rope_scale: x.rope_scale,
+                    eps,
+                });
+                let rope = match fused {
+                    Some(_) => None,
+                    None => Some(
+                        QkNormRope::new(
+                            x.ctx,
+                            &QkNormRopeDesc {
+                                q: r.q,
+                                k: r.k,
+                                v: r.v,
+                                k_cache: BufRef::new(&k[l]),
+                                v_cache: BufRef::new(&v[l]),
+                                norms: r.norms,
+                                inv_freq,
+                                rot_dim: hd,
+                                rope_scale: x.rope_scale,
+                                eps,
+                                step: x.step,
+                                n_heads: c.num_heads,
+                                n_kv_heads: c.num_kv_heads,
+                                head_dim: hd,
+                                n_tokens: n,
+                                capacity,
+                            },
+                        )
+                        .map_err(gpu_err)?,
+                    ),
+                };
                 let desc = AttnDesc {
                     q: r.q,
                     k_cache: BufRef::new(&k[l]),
@@ -222,7 +240,7 @@ impl GpuKv {
                         let buf = scratch.get_or_insert_with(|| {
                             x.ctx.storage_buffer("attention partials", bytes)
                         });
-                        let a = DecodeAttention::with_scratch(x.ctx, &desc, buf);
+                        let a = DecodeAttention::with_rope(x.ctx, &desc, buf, fused.as_ref());
                         Attention::Decode(a.map_err(gpu_err)?)
                     }
                 };
@@ -243,7 +261,9 @@ impl GpuKv {
     /// Records layer `l`'s RoPE/append and attention for batch size index `bi`.
     pub(crate) fn record(&self, bi: usize, l: usize, r: &mut Recorder) {
         let (rope, attn) = &self.ops[bi][l];
-        r.step("qk-norm rope kv-append", rope);
+        if let Some(rope) = rope {
+            r.step("qk-norm rope kv-append", rope);
+        }
         r.step("attention", attn);
     }
 }

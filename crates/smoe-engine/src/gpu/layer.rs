@@ -193,11 +193,23 @@ impl B<'_> {
                 k,
                 normalize,
             });
-            return Ok(vec![self.mv(step, router.w(0), None, x, logits, None, fuse)?]);
+            return Ok(vec![self.mv(
+                step,
+                router.w(0),
+                None,
+                x,
+                logits,
+                None,
+                fuse,
+            )?]);
         }
         let mv = self.mv(step, router.w(0), None, x, logits, None, fuse)?;
         let r = Router::new(self.ctx, logits, ids, weights, n_exp, k, self.n, normalize);
-        let label = if step == "router" { "router top-k" } else { step };
+        let label = if step == "router" {
+            "router top-k"
+        } else {
+            step
+        };
         Ok(vec![mv, Op::new(label, r.map_err(gpu_err)?)])
     }
 

@@ -1,0 +1,27 @@
+// RoPE's rotation, shared by qk_norm_rope.wgsl and the decode attention's fused variant
+// (attn_decode.wgsl, ROPE), so both rotate exactly alike.
+
+// cos and sin of a ≥ 0: reduction by π/2 with a three-part constant (Cody–Waite; the first part
+// has 8 significant bits, so k·C1 is exact while k < 2^16, i.e. a < ~100k rad), then minimax
+// polynomials on [-π/4, π/4] (Cephes sinf/cosf). Drivers' cos/sin lose accuracy for large
+// arguments; this follows the CPU's f64 cos/sin of the same f32 angle to ~1e-7.
+fn sincos(a: f32) -> vec2<f32> {
+    let kf = round(a * 0.63661977236758134);
+    let r = ((a - kf * 1.5703125) - kf * 4.837512969970703125e-4) - kf * 7.54978995489188216e-8;
+    let z = r * r;
+    let s = r + r * z * (-1.6666654611e-1 + z * (8.3321608736e-3 + z * -1.9515295891e-4));
+    let c = 1.0 - 0.5 * z + z * z * (4.166664568298827e-2 + z * (-1.388731625493765e-3 + z * 2.443315711809948e-5));
+    switch u32(kf) & 3u {
+        case 0u: { return vec2<f32>(c, s); }
+        case 1u: { return vec2<f32>(-s, c); }
+        case 2u: { return vec2<f32>(-c, -s); }
+        default: { return vec2<f32>(s, -c); }
+    }
+}
+
+// The rotated pair (a, b) = (x[i], x[i + rot/2]) at position pos: (a·c − b·s, b·c + a·s) with
+// (c, s) = scale · (cos, sin)(inv_freq · pos).
+fn rotate(a: f32, b: f32, inv_freq: f32, pos: u32, scale: f32) -> vec2<f32> {
+    let cs = sincos(inv_freq * f32(pos)) * scale;
+    return vec2<f32>(a * cs.x - b * cs.y, b * cs.x + a * cs.y);
+}

@@ -1,0 +1,55 @@
+//! The GPU decode path without fused tails (`SMOE_FUSED_TAILS=0`, and what Metal and other
+//! non-Vulkan backends always run): the router's top-k and the experts' weighted sum as dispatches
+//! of their own. A test binary of its own, because the choice is made once per process, when the
+//! shared GPU context opens. Decode logits against the CPU's on every fixture.
+
+use smoe_engine::engine::{Backend, EngineOptions};
+use smoe_engine::{Engine, Logits};
+use smoe_vault::DType;
+
+mod common;
+use common::{have_gpu, TempVault};
+
+fn open(v: &TempVault, backend: Backend) -> Engine {
+    let opts = EngineOptions {
+        backend,
+        ..Default::default()
+    };
+    Engine::open(v.path(), opts).expect("open")
+}
+
+#[test]
+fn unfused_decode_matches_cpu() {
+    // Before anything opens the GPU: the only test of this binary.
+    std::env::set_var("SMOE_FUSED_TAILS", "0");
+    if !have_gpu() {
+        return;
+    }
+    let probe = smoe_compute::gpu::GpuContext::new().expect("GPU context");
+    assert!(!probe.fused_tails(), "SMOE_FUSED_TAILS=0 was not honoured");
+    drop(probe);
+    for name in smoe_fixtures::names() {
+        let v = TempVault::new(&name, DType::Q8);
+        let (gpu, cpu) = (open(&v, Backend::Gpu), open(&v, Backend::Cpu));
+        assert_eq!(gpu.model.backend(), "gpu");
+        let prompt = &smoe_fixtures::reference(&name).prompts[0].prompt;
+        let cap = prompt.len() + 8;
+        let (mut sg, mut sc) = (gpu.session(cap), cpu.session(cap));
+        let mut lg = sg.feed(prompt, Logits::Last).unwrap();
+        let mut lc = sc.feed(prompt, Logits::Last).unwrap();
+        for step in 0..6 {
+            let scale = lc.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let dev = lg
+                .iter()
+                .zip(&lc)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(
+                dev <= 1e-3 * scale.max(1.0),
+                "{name} step {step}: logits differ by {dev}"
+            );
+            let id = smoe_engine::sampler::argmax(&lc);
+            lg = sg.feed(&[id], Logits::Last).unwrap();
+            lc = sc.feed(&[id], Logits::Last).unwrap();
+        }
+    }
+}
