@@ -42,6 +42,10 @@ struct Params {
 
 override DIRECT: bool = false;
 override ROPE: bool = false;
+// Several splits: the last split of each (head, token) to finish merges them (attn_merge.wgsl)
+// instead of a combine pass — the tail of matvec.wgsl's TAIL modes: publish (storageBarrier),
+// count in on done[(t, h)], read the others' partials with atomic loads. Vulkan only.
+override MERGE: bool = false;
 
 struct Step {
     pos0: u32,
@@ -72,6 +76,15 @@ override PG: u32 = WG / 32u;
 @group(0) @binding(9) var<storage, read> qnw: array<f32>;
 @group(0) @binding(10) var<storage, read> knw: array<f32>;
 @group(0) @binding(11) var<storage, read> inv: array<f32>;
+// MERGE: the counters, and `part` again for atomic loads.
+@group(0) @binding(12) var<storage, read_write> done: array<atomic<u32>>;
+@group(0) @binding(13) var<storage, read_write> parta: array<atomic<u32>>;
+
+var<workgroup> last: u32;
+
+fn part_at(i: u32) -> f32 {
+    return bitcast<f32>(atomicLoad(&parta[i]));
+}
 
 var<workgroup> qs: array<vec4<f32>, 128>;
 // ROPE: the current position's rotated key and value of this workgroup's kv head.
@@ -263,5 +276,20 @@ fn main(
     if !DIRECT && li == 0u {
         part[p.ml_off + 2u * row] = m;
         part[p.ml_off + 2u * row + 1u] = l;
+    }
+    if MERGE {
+        storageBarrier();
+        if li == 0u {
+            let c = t * p.n_heads + h;
+            let is_last = atomicAdd(&done[c], 1u) + 1u == p.n_split;
+            if is_last {
+                atomicStore(&done[c], 0u);
+            }
+            last = u32(is_last);
+        }
+        if workgroupUniformLoad(&last) != 0u {
+            storageBarrier();
+            merge_splits(h, t, li, WG);
+        }
     }
 }

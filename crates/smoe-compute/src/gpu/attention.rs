@@ -241,7 +241,8 @@ struct CombineParams {
 
 pub struct DecodeAttention {
     split: Dispatch,
-    /// Merges the splits; `None` when there is one split, which writes the output directly.
+    /// Merges the splits; `None` when there is one split, which writes the output directly, or
+    /// when the last split merges them (`GpuContext::fused_tails`).
     combine: Option<Dispatch>,
     /// Partial outputs of the splits (shared by the layers of a sequence: their attention
     /// dispatches run one after another).
@@ -368,8 +369,21 @@ impl DecodeAttention {
             _pad: [0; 3],
         };
         let direct = n_split == 1;
+        // Several splits: on Vulkan the last split of each (head, token) merges them itself.
+        let merge = !direct && ctx.fused_tails();
         let unused = ctx.storage_buffer("attention (unused)", 16);
-        let out = if direct { ob } else { Binding::whole(&unused) };
+        let out = if direct || merge {
+            ob
+        } else {
+            Binding::whole(&unused)
+        };
+        let counters = match merge {
+            true => ctx.storage_buffer(
+                "attention merge counters",
+                4 * (a.n_tokens * a.n_heads) as u64,
+            ),
+            false => ctx.storage_buffer("attention (no merge)", 16),
+        };
         let bufs = [
             Binding::whole(a.step),
             qb,
@@ -382,15 +396,18 @@ impl DecodeAttention {
             rb[2].0,
             rb[3].0,
             rb[4].0,
+            Binding::whole(&counters),
+            Binding::whole(&part),
         ];
         let groups = [n_split, a.n_heads, a.n_tokens];
         let consts = [
             ("WG", 128.0),
             ("DIRECT", direct as u8 as f64),
             ("ROPE", rope.is_some() as u8 as f64),
+            ("MERGE", merge as u8 as f64),
         ];
         let split = Dispatch::new(ctx, "attn_decode", &consts, &dp, &bufs, groups)?;
-        if direct {
+        if direct || merge {
             return Ok(DecodeAttention {
                 split,
                 combine: None,

@@ -167,10 +167,16 @@ impl GpuContext {
     }
 
     pub fn with_bounds_checks(bounds_checks: bool) -> Result<Self, GpuError> {
-        pollster::block_on(Self::open(bounds_checks))
+        pollster::block_on(Self::open(bounds_checks, true))
     }
 
-    async fn open(bounds_checks: bool) -> Result<Self, GpuError> {
+    /// A context that never fuses tails (`fused_tails` false whatever the backend): what
+    /// Metal and other backends run, for tests of that path on Vulkan.
+    pub fn without_fused_tails() -> Result<Self, GpuError> {
+        pollster::block_on(Self::open(cfg!(debug_assertions), false))
+    }
+
+    async fn open(bounds_checks: bool, tails: bool) -> Result<Self, GpuError> {
         let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
         desc.backends = wgpu::Backends::from_env().unwrap_or(wgpu::Backends::PRIMARY);
         let instance = wgpu::Instance::new(desc);
@@ -216,7 +222,7 @@ impl GpuContext {
             })
             .await
             .map_err(|e| GpuError::Device(e.to_string()))?;
-        let fused_tails = fused_tails_probe(&ainfo);
+        let fused_tails = tails && fused_tails_probe(&ainfo);
         let info = GpuInfo {
             fused_tails,
             adapter: ainfo,

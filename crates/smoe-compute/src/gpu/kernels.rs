@@ -1,13 +1,15 @@
 //! The WGSL sources, compiled into the binary. One file per kernel in `kernels/`, each with a
 //! `main` entry point; shared fragments (`common.wgsl`: workgroup reductions;
 //! `gemm_common.wgsl`: the GEMMs' parameters, bindings, loads and weight decoding; `topk.wgsl`:
-//! the router's softmax top-k; `rope.wgsl`: RoPE's rotation) are prepended
+//! the router's softmax top-k; `rope.wgsl`: RoPE's rotation;
+//! `attn_merge.wgsl`: decode attention's merge of its splits) are prepended
 //! to the kernels that use them, since WGSL has no includes.
 
 const COMMON: &str = include_str!("../../kernels/common.wgsl");
 const GEMM_COMMON: &str = include_str!("../../kernels/gemm_common.wgsl");
 const TOPK: &str = include_str!("../../kernels/topk.wgsl");
 const ROPE: &str = include_str!("../../kernels/rope.wgsl");
+const MERGE: &str = include_str!("../../kernels/attn_merge.wgsl");
 
 /// (name, source, fragments prepended to it)
 const KERNELS: &[(&str, &str, &[&str])] = &[
@@ -40,7 +42,7 @@ const KERNELS: &[(&str, &str, &[&str])] = &[
     (
         "attn_decode",
         include_str!("../../kernels/attn_decode.wgsl"),
-        &[COMMON, ROPE],
+        &[COMMON, ROPE, MERGE],
     ),
     (
         "attn_prefill",
@@ -50,7 +52,7 @@ const KERNELS: &[(&str, &str, &[&str])] = &[
     (
         "attn_combine",
         include_str!("../../kernels/attn_combine.wgsl"),
-        &[],
+        &[MERGE],
     ),
     ("router", include_str!("../../kernels/router.wgsl"), &[TOPK]),
     (

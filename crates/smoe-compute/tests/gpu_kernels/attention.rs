@@ -126,7 +126,16 @@ fn qk_norm_rope_append_matches_cpu() {
 
 #[test]
 fn decode_attention_matches_cpu_any_context() {
-    let Some(ctx) = gpu() else { return };
+    let Some(shared) = gpu() else { return };
+    // Several splits merge in their last split's workgroup where the context fuses tails, in
+    // a combine pass otherwise: both.
+    let plain = GpuContext::without_fused_tails().unwrap();
+    for ctx in [shared, &plain] {
+        decode_attention_cases(ctx);
+    }
+}
+
+fn decode_attention_cases(ctx: &GpuContext) {
     // (heads, kv heads, head_dim, tokens, pos0, capacity, window): contexts from 1 to several
     // tiles and splits, GQA groups 1..8, and sliding windows.
     for (nh, nkv, hd, nt, pos0, cap, window) in [
@@ -196,8 +205,11 @@ fn decode_attention_matches_cpu_any_context() {
         attn.encode(&mut enc);
         ctx.submit_wait(enc);
         let got = ctx.read_f32(&ob, 0, nt * nh * hd).unwrap();
+        let tails = ctx.fused_tails();
         assert_close(
-            &format!("attention {nh}/{nkv}x{hd} tokens {nt} pos0 {pos0} window {window:?}"),
+            &format!(
+                "attention {nh}/{nkv}x{hd} tokens {nt} pos0 {pos0} window {window:?} tails {tails}"
+            ),
             &got,
             &want,
             1e-10,
@@ -210,7 +222,14 @@ fn decode_attention_matches_cpu_any_context() {
 /// output, the appended key and value, and the rest of the cache left alone.
 #[test]
 fn decode_attention_with_rope_matches_cpu() {
-    let Some(ctx) = gpu() else { return };
+    let Some(shared) = gpu() else { return };
+    let plain = GpuContext::without_fused_tails().unwrap();
+    for ctx in [shared, &plain] {
+        decode_attention_rope_cases(ctx);
+    }
+}
+
+fn decode_attention_rope_cases(ctx: &GpuContext) {
     // (heads, kv heads, head_dim, pos0, capacity, window, norm): the first position, one split
     // and several, GQA 1–8, a window, no QK-norm, a head width that is not a multiple of 32.
     for (nh, nkv, hd, pos0, cap, window, norm) in [

@@ -186,6 +186,23 @@ impl B<'_> {
     ) -> Result<Vec<Op>, EngineError> {
         let [logits, ids, weights] = out;
         let normalize = self.norm_topk;
+        let top_k = |ops: &mut Vec<Op>| -> Result<(), EngineError> {
+            let r = Router::new(self.ctx, logits, ids, weights, n_exp, k, self.n, normalize);
+            let label = if step == "router" {
+                "router top-k"
+            } else {
+                step
+            };
+            ops.push(Op::new(label, r.map_err(gpu_err)?));
+            Ok(())
+        };
+        if self.gemm {
+            // A prompt chunk: the logits as a token-batched GEMM (the matvec path reads the
+            // router once per 8 tokens: 17.9 of 271 µs per prompt token on an H200).
+            let mut ops = vec![self.mm(step, router.w(0), None, x, logits, None)?];
+            top_k(&mut ops)?;
+            return Ok(ops);
+        }
         if self.ctx.fused_tails() {
             fuse.route = Some(RouteTail {
                 ids,
@@ -203,14 +220,9 @@ impl B<'_> {
                 fuse,
             )?]);
         }
-        let mv = self.mv(step, router.w(0), None, x, logits, None, fuse)?;
-        let r = Router::new(self.ctx, logits, ids, weights, n_exp, k, self.n, normalize);
-        let label = if step == "router" {
-            "router top-k"
-        } else {
-            step
-        };
-        Ok(vec![mv, Op::new(label, r.map_err(gpu_err)?)])
+        let mut ops = vec![self.mv(step, router.w(0), None, x, logits, None, fuse)?];
+        top_k(&mut ops)?;
+        Ok(ops)
     }
 
     /// x += weights[t·k + s] · y[t·k + s] over each token's k rows of y.
@@ -428,9 +440,9 @@ impl LayerOps {
                     BufRef::new(&a.ids),
                     BufRef::new(&a.rw),
                 );
-                // The router is small: a matvec even for a batch (reading hn then). With the
-                // norm fused in, it also writes the normed input to hn, which the experts and the
-                // lookahead then read instead of each of their workgroups renormalizing x.
+                // The router (`B::route`): for decode a matvec with the norm fused in, which also
+                // writes the normed input to hn, which the experts and the lookahead then read
+                // instead of each of their workgroups renormalizing x; for a chunk a GEMM of hn.
                 let hn = BufRef::new(&a.hn);
                 let mut fuse = Fuse::default();
                 let mut x = hn;
