@@ -180,12 +180,13 @@ fn main(
     let p1 = min(n_ctx, p0 + chunk);
     let cur = n_ctx - 1u;
     if ROPE {
-        norm_rotate(true, 4u * p.q_off + h * hd, cur, p.scale, li, sg, nsg, lane);
-        norm_rotate(false, p.k_off + kvh * hd, cur, 1.0, li, sg, nsg, lane);
+        // v first: its loads are in flight while q and k are normalized and rotated.
         for (var i = li; i < hd4; i += WG) {
             let b = p.v_off + kvh * hd + 4u * i;
             vcur[i] = vec4<f32>(vraw[b], vraw[b + 1u], vraw[b + 2u], vraw[b + 3u]);
         }
+        norm_rotate(true, 4u * p.q_off + h * hd, cur, p.scale, li, sg, nsg, lane);
+        norm_rotate(false, p.k_off + kvh * hd, cur, 1.0, li, sg, nsg, lane);
         workgroupBarrier();
         if s == 0u && h % (p.n_heads / p.n_kv) == 0u {
             for (var i = li; i < hd4; i += WG) {
@@ -234,12 +235,15 @@ fn main(
             if d4 < hd4 {
                 var acc = o[j] * alpha;
                 let vb = p.vc_off + tile * kvw4 + kvh * hd4 + d4;
-                for (var c = pg; c < cnt; c += PG) {
-                    if ROPE && tile + c == cur {
-                        acc += sc[c] * vcur[d4];
-                    } else {
-                        acc += sc[c] * vc[vb + c * kvw4];
-                    }
+                // ROPE: the tile that ends at the current position takes its value from vcur,
+                // added last as the loop would have (the same order of additions).
+                let has_cur = ROPE && tile + cnt == n_ctx;
+                let n_cached = select(cnt, cnt - 1u, has_cur);
+                for (var c = pg; c < n_cached; c += PG) {
+                    acc += sc[c] * vc[vb + c * kvw4];
+                }
+                if has_cur && (cnt - 1u) % PG == pg {
+                    acc += sc[cnt - 1u] * vcur[d4];
                 }
                 o[j] = acc;
             }

@@ -412,46 +412,26 @@ fn item_row(i: u32, row0: u32, wbase: u32) -> u32 {
     return wbase + row * p.row_stride + (i % g) * p.w_up_off;
 }
 
-// A lane's loads of one round: S chunks (codes and their parameter words) of each of U items.
-struct Loads {
-    q: array<vec4<u32>, LD>,
-    pw: array<u32, LD>,
-}
-
-// Round cb's loads of the U items at weight rows rbs (NONE: past the rows).
-fn load_round(rbs: ptr<function, array<u32, LD>>, cfirst: u32, nchunks: u32, cb: u32, lane: u32, ss: u32, l: ptr<function, Loads>) {
-    for (var u = 0u; u < U; u++) {
-        for (var s = 0u; s < S; s++) {
-            let k = cb + lane + s * ss;
-            if (*rbs)[u] != NONE && k < nchunks {
-                (*l).q[u * S + s] = w[(*rbs)[u] + cfirst + k];
-                (*l).pw[u * S + s] = pword((*rbs)[u], cfirst + k);
-            }
-        }
-    }
-}
-
-fn item_rows(i0: u32, row0: u32, wbase: u32) -> array<u32, LD> {
+// The U items from i0 on, over the tile's chunks: each lane loads S chunks (codes and their
+// parameter words) of every item, then multiplies them, until the tile's chunks are done (one
+// round when S·ss covers them); the subgroup's sums are added to `part`.
+fn items(i0: u32, row0: u32, wbase: u32, cfirst: u32, nchunks: u32, lane: u32, ss: u32) {
     var rbs: array<u32, LD>;
+    var acc: array<array<f32, NT_MAX>, LD>;
     for (var u = 0u; u < U; u++) {
         rbs[u] = item_row(i0 + u, row0, wbase);
     }
-    return rbs;
-}
-
-// The U items from i0 on, over the tile's chunks: each lane loads S chunks (codes and their
-// parameter words) of every item, then multiplies them, until the tile's chunks are done (one
-// round when S·ss covers them); the subgroup's sums are added to `part`. `pre`: round 0's loads,
-// issued before the inputs were staged (see main), when `have_pre`.
-fn items(i0: u32, row0: u32, wbase: u32, cfirst: u32, nchunks: u32, lane: u32, ss: u32, pre: ptr<function, Loads>, have_pre: bool) {
-    var rbs = item_rows(i0, row0, wbase);
-    var acc: array<array<f32, NT_MAX>, LD>;
     for (var cb = 0u; cb < nchunks; cb += S * ss) {
-        var l: Loads;
-        if have_pre && cb == 0u {
-            l = *pre;
-        } else {
-            load_round(&rbs, cfirst, nchunks, cb, lane, ss, &l);
+        var q: array<vec4<u32>, LD>;
+        var pw: array<u32, LD>;
+        for (var u = 0u; u < U; u++) {
+            for (var s = 0u; s < S; s++) {
+                let k = cb + lane + s * ss;
+                if rbs[u] != NONE && k < nchunks {
+                    q[u * S + s] = w[rbs[u] + cfirst + k];
+                    pw[u * S + s] = pword(rbs[u], cfirst + k);
+                }
+            }
         }
         for (var u = 0u; u < U; u++) {
             // REDUCE: the item's slot is its one "token".
@@ -464,7 +444,7 @@ fn items(i0: u32, row0: u32, wbase: u32, cfirst: u32, nchunks: u32, lane: u32, s
             for (var s = 0u; s < S; s++) {
                 let k = cb + lane + s * ss;
                 if rbs[u] != NONE && k < nchunks {
-                    chunk(l.q[u * S + s], l.pw[u * S + s], cfirst + k, k, ta, tb, &acc, u);
+                    chunk(q[u * S + s], pw[u * S + s], cfirst + k, k, ta, tb, &acc, u);
                 }
             }
         }
@@ -579,15 +559,7 @@ fn main(
         slot_base[li] = p.w_off + ids[p.ids_off + slot] * p.w_mat_stride;
         slot_w[li] = rw[p.rw_off + slot];
     }
-    // A row that fits one tile: the subgroup's first loads are issued now, so that their trip to
-    // memory overlaps the norm and the staging of the inputs instead of following them.
     let n_items = select(ROWS * select(1u, 2u, GATED), ROWS * NT, REDUCE);
-    let prefetch = !REDUCE && p.cols <= TILE;
-    var pre: Loads;
-    if prefetch && sg * U < n_items {
-        var rbs = item_rows(sg * U, row0, wbase);
-        load_round(&rbs, 0u, p.cols / cv, 0u, lane, ss, &pre);
-    }
     if NORM {
         rms(li, sg, nsg, lane, xbase, nt);
     }
@@ -599,7 +571,7 @@ fn main(
         let nchunks = tc / cv;
         let cfirst = c0 / cv;
         for (var i0 = sg * U; i0 < n_items; i0 += nsg * U) {
-            items(i0, row0, wbase, cfirst, nchunks, lane, ss, &pre, prefetch && i0 == sg * U);
+            items(i0, row0, wbase, cfirst, nchunks, lane, ss);
         }
     }
     workgroupBarrier();
