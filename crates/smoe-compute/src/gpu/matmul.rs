@@ -65,7 +65,7 @@ impl MatMulTuning {
     pub fn default_for(ctx: &GpuContext, d: &MatMulDesc) -> Self {
         let bn = match d.grouped {
             Some(g) => g.sort.tile() as u32,
-            None => Self::fit_bn(d.n_tokens as f64),
+            None => Self::dense_bn(d.w.rows, d.n_tokens),
         };
         let f32_tile = MatMulTuning {
             coop: false,
@@ -121,6 +121,19 @@ impl MatMulTuning {
     /// 64 by 10–20 %).
     pub fn grouped_bn(n_slots: usize, n_mats: usize) -> usize {
         Self::fit_bn(1.5 * n_slots as f64 / n_mats.max(1) as f64) as usize
+    }
+
+    /// A dense product's token tile: `fit_bn`, halved (down to 16) while the product would
+    /// have fewer than `MIN_TILES` tiles — matrices of few rows (the k and v projections, a
+    /// router) otherwise leave most of a big GPU idle: 512 tokens of a 128-expert router made 8
+    /// workgroups.
+    pub fn dense_bn(rows: usize, n_tokens: usize) -> u32 {
+        const MIN_TILES: usize = 128;
+        let mut bn = Self::fit_bn(n_tokens as f64);
+        while bn > 16 && rows.div_ceil(128) * n_tokens.div_ceil(bn as usize) < MIN_TILES {
+            bn = (bn / 2).next_multiple_of(16);
+        }
+        bn
     }
 
     /// The multiple of 16 in 16..=64 that fits `want` tokens (128 × 128 dense gained 5 % on
@@ -440,6 +453,22 @@ impl MatMul {
     /// Records the product into its own compute pass of `enc`.
     pub fn encode(&self, enc: &mut wgpu::CommandEncoder) {
         super::in_pass(enc, "matmul", |p| self.record(p));
+    }
+}
+
+#[cfg(test)]
+mod dense_tile_tests {
+    use super::MatMulTuning;
+
+    #[test]
+    fn few_rows_take_smaller_token_tiles() {
+        // 30B shapes at 512 tokens: q_proj keeps 64; k/v (512 rows) and the router (128) shrink.
+        assert_eq!(MatMulTuning::dense_bn(4096, 512), 64);
+        assert_eq!(MatMulTuning::dense_bn(512, 512), 16);
+        assert_eq!(MatMulTuning::dense_bn(128, 512), 16);
+        assert_eq!(MatMulTuning::dense_bn(2048, 512), 64);
+        // Few tokens: the smallest tile that fits them.
+        assert_eq!(MatMulTuning::dense_bn(4096, 8), 16);
     }
 }
 
