@@ -91,69 +91,37 @@ var<workgroup> qs: array<vec4<f32>, 128>;
 var<workgroup> kcur: array<vec4<f32>, KCUR_LEN>;
 var<workgroup> vcur: array<vec4<f32>, KCUR_LEN>;
 override KCUR_LEN: u32 = select(1u, 128u, ROPE);
+var<workgroup> vred: array<vec4<f32>, PG * 128u>;
+var<workgroup> sc: array<f32, WG>;
 
-fn raw(is_q: bool, i: u32) -> f32 {
+// ROPE: where this workgroup's query head and its kv head's new key start (f32 indices of q,
+// read as vec4s, and of kraw), and what the query is scaled by.
+var<private> q_src: u32;
+var<private> k_src: u32;
+
+fn head_in(is_q: bool, i: u32) -> f32 {
     if is_q {
-        return q[i / 4u][i % 4u];
+        let j = q_src + i;
+        return q[j / 4u][j % 4u];
     }
-    return kraw[i];
+    return kraw[k_src + i];
 }
 
-fn raw_norm_w(is_q: bool, i: u32) -> f32 {
+fn head_norm_w(is_q: bool, i: u32) -> f32 {
     if is_q {
         return qnw[p.qn_off + i];
     }
     return knw[p.kn_off + i];
 }
 
-// qk_norm_rope.wgsl's work on one head starting at f32 index src of q (is_q) or kraw, into qs
-// (times `mul`) or kcur.
-fn norm_rotate(is_q: bool, src: u32, pos: u32, mul: f32, li: u32, sg: u32, nsg: u32, lane: u32) {
-    let hd = p.head_dim;
-    var r = 1.0;
-    if p.has_norm != 0u {
-        var ss = 0.0;
-        for (var i = li; i < hd; i += WG) {
-            let e = raw(is_q, src + i);
-            ss += e * e;
-        }
-        r = 1.0 / sqrt(wg_sum(ss, sg, nsg, lane) / f32(hd) + p.eps);
-    }
-    let half = p.rot_dim / 2u;
-    for (var i = li; i < hd; i += WG) {
-        if i >= half && i < p.rot_dim {
-            continue;
-        }
-        var a = raw(is_q, src + i);
-        if p.has_norm != 0u {
-            a = a * r * raw_norm_w(is_q, i);
-        }
-        var out_a = a;
-        var out_b = 0.0;
-        if i < half {
-            var b = raw(is_q, src + i + half);
-            if p.has_norm != 0u {
-                b = b * r * raw_norm_w(is_q, i + half);
-            }
-            let ab = rotate(a, b, inv[p.inv_off + i], pos, p.rope_scale);
-            out_a = ab.x;
-            out_b = ab.y;
-        }
-        if is_q {
-            qs[i / 4u][i % 4u] = out_a * mul;
-            if i < half {
-                qs[(i + half) / 4u][(i + half) % 4u] = out_b * mul;
-            }
-        } else {
-            kcur[i / 4u][i % 4u] = out_a;
-            if i < half {
-                kcur[(i + half) / 4u][(i + half) % 4u] = out_b;
-            }
-        }
+// The query, scaled, into qs; the key into kcur.
+fn head_out(is_q: bool, i: u32, v: f32) {
+    if is_q {
+        qs[i / 4u][i % 4u] = v * p.scale;
+    } else {
+        kcur[i / 4u][i % 4u] = v;
     }
 }
-var<workgroup> vred: array<vec4<f32>, PG * 128u>;
-var<workgroup> sc: array<f32, WG>;
 
 @compute @workgroup_size(WG)
 fn main(
@@ -185,8 +153,10 @@ fn main(
             let b = p.v_off + kvh * hd + 4u * i;
             vcur[i] = vec4<f32>(vraw[b], vraw[b + 1u], vraw[b + 2u], vraw[b + 3u]);
         }
-        norm_rotate(true, 4u * p.q_off + h * hd, cur, p.scale, li, sg, nsg, lane);
-        norm_rotate(false, p.k_off + kvh * hd, cur, 1.0, li, sg, nsg, lane);
+        q_src = 4u * p.q_off + h * hd;
+        k_src = p.k_off + kvh * hd;
+        rope_head(true, cur, li, WG, sg, nsg, lane);
+        rope_head(false, cur, li, WG, sg, nsg, lane);
         workgroupBarrier();
         if s == 0u && h % (p.n_heads / p.n_kv) == 0u {
             for (var i = li; i < hd4; i += WG) {

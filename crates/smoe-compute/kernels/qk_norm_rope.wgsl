@@ -43,18 +43,31 @@ struct Step {
 @group(0) @binding(8) var<storage, read> knw: array<f32>;
 @group(0) @binding(9) var<storage, read> inv: array<f32>;
 
-fn load(is_q: bool, i: u32) -> f32 {
+// The head this invocation works on: where its input starts (q or k) and where its output goes
+// (q in place, or the K cache at its position).
+var<private> src: u32;
+var<private> dst: u32;
+
+fn head_in(is_q: bool, i: u32) -> f32 {
     if is_q {
-        return q[i];
+        return q[src + i];
     }
-    return k[i];
+    return k[src + i];
 }
 
-fn norm_w(is_q: bool, i: u32) -> f32 {
+fn head_norm_w(is_q: bool, i: u32) -> f32 {
     if is_q {
         return qnw[p.qn_off + i];
     }
     return knw[p.kn_off + i];
+}
+
+fn head_out(is_q: bool, i: u32, v: f32) {
+    if is_q {
+        q[src + i] = v;
+    } else {
+        kc[dst + i] = v;
+    }
 }
 
 @compute @workgroup_size(WG)
@@ -78,56 +91,11 @@ fn main(
         return;
     }
     let is_q = h < p.n_heads;
-    var src: u32;
     if is_q {
         src = p.q_off + t * p.n_heads * hd + h * hd;
     } else {
         src = p.k_off + t * kvw + (h - p.n_heads) * hd;
     }
-    var r = 1.0;
-    if p.has_norm != 0u {
-        var ss = 0.0;
-        for (var i = li; i < hd; i += WG) {
-            let e = load(is_q, src + i);
-            ss += e * e;
-        }
-        // All reads of the head happen before this reduction's barriers, so the in-place writes
-        // below cannot race them.
-        r = 1.0 / sqrt(wg_sum(ss, sg, nsg, lane) / f32(hd) + p.eps);
-    }
-    let half = p.rot_dim / 2u;
-    let dst = p.kc_off + pos * kvw + (h - p.n_heads) * hd;
-    for (var i = li; i < hd; i += WG) {
-        if i >= half && i < p.rot_dim {
-            continue;
-        }
-        var out_a: f32;
-        var out_b = 0.0;
-        var a = load(is_q, src + i);
-        if p.has_norm != 0u {
-            a = a * r * norm_w(is_q, i);
-        }
-        if i < half {
-            var b = load(is_q, src + i + half);
-            if p.has_norm != 0u {
-                b = b * r * norm_w(is_q, i + half);
-            }
-            let ab = rotate(a, b, inv[p.inv_off + i], pos, p.rope_scale);
-            out_a = ab.x;
-            out_b = ab.y;
-        } else {
-            out_a = a;
-        }
-        if is_q {
-            q[src + i] = out_a;
-            if i < half {
-                q[src + i + half] = out_b;
-            }
-        } else {
-            kc[dst + i] = out_a;
-            if i < half {
-                kc[dst + i + half] = out_b;
-            }
-        }
-    }
+    dst = p.kc_off + pos * kvw + (h - p.n_heads) * hd;
+    rope_head(is_q, pos, li, WG, sg, nsg, lane);
 }

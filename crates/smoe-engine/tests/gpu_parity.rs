@@ -13,7 +13,7 @@ use smoe_engine::{Engine, Logits};
 use smoe_vault::DType;
 
 mod common;
-use common::{greedy, have_gpu, TempVault};
+use common::{assert_decode_matches_cpu, greedy, have_gpu, TempVault};
 
 const MARGIN: f64 = 0.05;
 
@@ -137,26 +137,7 @@ fn decode_logits_match_cpu() {
     // Small and large caches: beyond 512 positions decoding splits the context over several
     // workgroups, whose partial results all layers share in one scratch buffer.
     for capacity in [prompt.len() + 8, 1500] {
-        let (mut sg, mut sc) = (gpu.session(capacity), cpu.session(capacity));
-        let (mut lg, mut lc) = (
-            sg.feed(prompt, Logits::Last).unwrap(),
-            sc.feed(prompt, Logits::Last).unwrap(),
-        );
-        for step in 0..8 {
-            assert_eq!(lg.len(), lc.len());
-            let scale = lc.iter().fold(0f32, |m, x| m.max(x.abs()));
-            let dev = lg
-                .iter()
-                .zip(&lc)
-                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-            assert!(
-                dev <= 1e-3 * scale.max(1.0),
-                "{name} capacity {capacity} step {step}: logits differ by {dev}"
-            );
-            let id = smoe_engine::sampler::argmax(&lc);
-            lg = sg.feed(&[id], Logits::Last).unwrap();
-            lc = sc.feed(&[id], Logits::Last).unwrap();
-        }
+        assert_decode_matches_cpu(name, &gpu, &cpu, prompt, capacity, 8);
     }
 }
 

@@ -4,11 +4,11 @@
 //! shared GPU context opens. Decode logits against the CPU's on every fixture.
 
 use smoe_engine::engine::{Backend, EngineOptions};
-use smoe_engine::{Engine, Logits};
+use smoe_engine::Engine;
 use smoe_vault::DType;
 
 mod common;
-use common::{have_gpu, TempVault};
+use common::{assert_decode_matches_cpu, have_gpu, TempVault};
 
 fn open(v: &TempVault, backend: Backend) -> Engine {
     let opts = EngineOptions {
@@ -34,23 +34,6 @@ fn unfused_decode_matches_cpu() {
         assert_eq!(gpu.model.backend(), "gpu");
         let prompt = &smoe_fixtures::reference(&name).prompts[0].prompt;
         // Beyond 512 positions decode attention splits the context: the combine pass runs.
-        let cap = 1500;
-        let (mut sg, mut sc) = (gpu.session(cap), cpu.session(cap));
-        let mut lg = sg.feed(prompt, Logits::Last).unwrap();
-        let mut lc = sc.feed(prompt, Logits::Last).unwrap();
-        for step in 0..6 {
-            let scale = lc.iter().fold(0f32, |m, x| m.max(x.abs()));
-            let dev = lg
-                .iter()
-                .zip(&lc)
-                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-            assert!(
-                dev <= 1e-3 * scale.max(1.0),
-                "{name} step {step}: logits differ by {dev}"
-            );
-            let id = smoe_engine::sampler::argmax(&lc);
-            lg = sg.feed(&[id], Logits::Last).unwrap();
-            lc = sc.feed(&[id], Logits::Last).unwrap();
-        }
+        assert_decode_matches_cpu(&name, &gpu, &cpu, prompt, 1500, 6);
     }
 }

@@ -73,3 +73,35 @@ pub fn have_gpu() -> bool {
         }
     }
 }
+
+/// Feeds `prompt` then `steps` tokens (the CPU's argmax each time) to a GPU and a CPU session of
+/// `capacity` positions, asserting after every pass that the last row's logits agree to 1e-3 of
+/// their largest magnitude: the sampling path, which reads logits back at every step.
+pub fn assert_decode_matches_cpu(
+    what: &str,
+    gpu: &Engine,
+    cpu: &Engine,
+    prompt: &[u32],
+    capacity: usize,
+    steps: usize,
+) {
+    use smoe_engine::Logits;
+    let (mut sg, mut sc) = (gpu.session(capacity), cpu.session(capacity));
+    let mut lg = sg.feed(prompt, Logits::Last).unwrap();
+    let mut lc = sc.feed(prompt, Logits::Last).unwrap();
+    for step in 0..steps {
+        assert_eq!(lg.len(), lc.len());
+        let scale = lc.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let dev = lg
+            .iter()
+            .zip(&lc)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            dev <= 1e-3 * scale.max(1.0),
+            "{what} capacity {capacity} step {step}: logits differ by {dev}"
+        );
+        let id = smoe_engine::sampler::argmax(&lc);
+        lg = sg.feed(&[id], Logits::Last).unwrap();
+        lc = sc.feed(&[id], Logits::Last).unwrap();
+    }
+}
