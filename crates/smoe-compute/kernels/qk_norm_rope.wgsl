@@ -55,13 +55,6 @@ fn head_in(is_q: bool, i: u32) -> f32 {
     return k[src + i];
 }
 
-fn head_norm_w(is_q: bool, i: u32) -> f32 {
-    if is_q {
-        return qnw[p.qn_off + i];
-    }
-    return knw[p.kn_off + i];
-}
-
 fn head_out(is_q: bool, i: u32, v: f32) {
     if is_q {
         q[src + i] = v;

@@ -1,9 +1,9 @@
 // Per-head QK RMSNorm and RoPE, shared by qk_norm_rope.wgsl and the decode attention's fused
 // variant (attn_decode.wgsl, ROPE), so both normalize and rotate exactly alike. The kernel
-// provides p (head_dim, rot_dim, has_norm, eps, inv_off, rope_scale), inv (the inverse
-// frequencies), wg_sum (common.wgsl) and three accessors: head_in(is_q, i) reads element i of
-// the head's input, head_norm_w(is_q, i) the norm weight of element i, head_out(is_q, i, v)
-// stores the result of element i.
+// provides p (head_dim, rot_dim, has_norm, eps, inv_off, rope_scale, qn_off, kn_off), inv (the
+// inverse frequencies), qnw and knw (q_norm and k_norm weights), wg_sum (common.wgsl) and two
+// accessors: head_in(is_q, i) reads element i of the head's input, head_out(is_q, i, v) stores
+// the result of element i.
 
 // cos and sin of a ≥ 0: reduction by π/2 with a three-part constant (Cody–Waite; the first part
 // has 8 significant bits, so k·C1 is exact while k < 2^16, i.e. a < ~100k rad), then minimax
@@ -28,6 +28,13 @@ fn sincos(a: f32) -> vec2<f32> {
 fn rotate(a: f32, b: f32, inv_freq: f32, pos: u32, scale: f32) -> vec2<f32> {
     let cs = sincos(inv_freq * f32(pos)) * scale;
     return vec2<f32>(a * cs.x - b * cs.y, b * cs.x + a * cs.y);
+}
+
+fn head_norm_w(is_q: bool, i: u32) -> f32 {
+    if is_q {
+        return qnw[p.qn_off + i];
+    }
+    return knw[p.kn_off + i];
 }
 
 // Normalizes (has_norm) and rotates one head at position pos: element i pairs with i + rot/2 for
