@@ -118,12 +118,13 @@ fn default_budget(vault: &Path) -> CacheBudget {
 pub fn print_stats(st: &StoreStats) {
     let t = &st.total;
     eprintln!(
-        "[experts: {} hits, {} misses (hit rate {:.1}%; {} read a layer ahead, {} of those unused), {:.1} MiB read at {:.2} GB/s{}; io wait {:.3}s, compute {:.3}s; cache {:.1}/{:.1} MiB]",
+        "[experts: {} hits, {} misses (hit rate {:.1}%; {} read a layer ahead, {} of those unused, {} wrong guesses dropped unread), {:.1} MiB read at {:.2} GB/s{}; io wait {:.3}s, compute {:.3}s; cache {:.1}/{:.1} MiB]",
         t.hits,
         t.misses,
         100.0 * st.hit_rate,
         t.prefetched,
         t.prefetch_wasted,
+        t.prefetch_cancelled,
         t.bytes_read as f64 / (1 << 20) as f64,
         st.read_gb_per_s,
         if st.direct_io { " direct" } else { " buffered" },

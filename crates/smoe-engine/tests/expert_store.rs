@@ -167,3 +167,43 @@ fn the_profile_is_saved_and_preloads_the_next_start() {
     let e = open(&path, CacheBudget::Fraction(0.5), false);
     assert_eq!(e.model.experts().preload(&mut |_, _| {}).unwrap(), 0);
 }
+
+/// A lookahead guess the layer turns out not to need is dropped unread when its read has not
+/// started: one reader thread held 300 ms by the first read, so the other three guesses are still
+/// queued when the layer asks for expert 0 only.
+#[test]
+fn wrong_lookahead_guesses_are_dropped_unread() {
+    use smoe_engine::store::Experts;
+    use std::sync::Mutex;
+    let v = TempVault::new("tiny-tied", DType::Q4);
+    let reads = Arc::new(Mutex::new(vec![]));
+    let log = reads.clone();
+    let fault: smoe_engine::store::FaultHook = Arc::new(move |layer, expert| {
+        log.lock().unwrap().push((layer, expert));
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        None
+    });
+    let opts = StoreOptions {
+        budget: CacheBudget::Fraction(1.0),
+        profile: false,
+        read_threads: 1,
+        fault: Some(fault),
+    };
+    let vault = smoe_vault::Vault::open(v.path()).unwrap();
+    let experts = Experts::open(&vault, &opts).unwrap();
+    experts.prefetch(0, &[0, 1, 2, 3]);
+    let mut got = vec![];
+    experts
+        .for_each_blob(0, &[0], &mut |e, bytes| got.push((e, bytes.len())))
+        .unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].0, 0);
+    // Let the reader drain its queue: the dropped guesses must not be read.
+    std::thread::sleep(std::time::Duration::from_millis(400));
+    assert_eq!(*reads.lock().unwrap(), vec![(0, 0)]);
+    let st = experts.stats().unwrap();
+    assert_eq!(st.total.prefetched, 1, "{st:?}");
+    assert_eq!(st.total.prefetch_cancelled, 3, "{st:?}");
+    assert_eq!(st.total.prefetch_wasted, 0, "{st:?}");
+    assert_eq!(st.total.bytes_read as usize, got[0].1, "{st:?}");
+}

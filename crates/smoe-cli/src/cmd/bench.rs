@@ -404,6 +404,7 @@ fn decode(a: DecodeArgs) -> Result<()> {
         "read_bytes_per_token": read_bytes_per_token,
         "lookahead_reads": stats.as_ref().map(|s| s.total.prefetched + s.total.prefetch_wasted),
         "lookahead_unused": stats.as_ref().map(|s| s.total.prefetch_wasted),
+        "lookahead_dropped": stats.as_ref().map(|s| s.total.prefetch_cancelled),
         "io_bound_tok_per_s": io_bound,
         "decode_over_io_bound": io_bound.map(|b| tg / b),
         "hit_rate": stats.as_ref().map(|s| s.hit_rate),

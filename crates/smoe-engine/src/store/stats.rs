@@ -11,6 +11,8 @@ pub struct LayerStats {
     pub prefetched: u64,
     /// Lookahead reads of experts the layer did not use.
     pub prefetch_wasted: u64,
+    /// Lookahead guesses the layer did not need, dropped before their read started.
+    pub prefetch_cancelled: u64,
     /// Summed time of the reads themselves (they overlap each other and compute).
     pub read_seconds: f64,
     /// Time the compute thread waited for a read to finish.
@@ -26,6 +28,7 @@ impl LayerStats {
         self.bytes_read += o.bytes_read;
         self.prefetched += o.prefetched;
         self.prefetch_wasted += o.prefetch_wasted;
+        self.prefetch_cancelled += o.prefetch_cancelled;
         self.read_seconds += o.read_seconds;
         self.io_wait_seconds += o.io_wait_seconds;
         self.compute_seconds += o.compute_seconds;

@@ -21,21 +21,73 @@ enum Reply {
     Prefetch(Arc<Pending>),
 }
 
-/// A lookahead read: filled by a reader thread, taken by the layer that needs it.
+/// A lookahead read: filled by a reader thread, taken by the layer that needs it — or abandoned
+/// by a layer that turned out not to need it (`abandon`).
 #[derive(Default)]
 pub struct Pending {
-    slot: Mutex<Option<ReadResult>>,
+    slot: Mutex<Slot>,
     done: Condvar,
+}
+
+#[derive(Default)]
+struct Slot {
+    result: Option<ReadResult>,
+    /// A reader took the job and is reading.
+    started: bool,
+    /// No layer will take it: a reader that has not started skips the read, one that has puts
+    /// the blob straight into the cache.
+    abandoned: bool,
+}
+
+/// What abandoning a lookahead read found.
+enum Abandoned {
+    /// Queued, not started: it will never be read.
+    Cancelled,
+    /// Being read: its reader caches it when done.
+    InFlight,
+    /// Already read.
+    Done(ReadResult),
 }
 
 impl Pending {
     fn wait(&self) -> ReadResult {
         let mut g = self.slot.lock().unwrap();
         loop {
-            if let Some(r) = g.take() {
+            if let Some(r) = g.result.take() {
                 return r;
             }
             g = self.done.wait(g).unwrap();
+        }
+    }
+
+    /// A reader takes the job: false if it was abandoned first (skip the read).
+    fn start(&self) -> bool {
+        let mut g = self.slot.lock().unwrap();
+        g.started = !g.abandoned;
+        g.started
+    }
+
+    /// A reader is done: hands the result to the waiting layer, or back (`Some`) when the read
+    /// was abandoned meanwhile.
+    fn finish(&self, r: ReadResult) -> Option<ReadResult> {
+        let mut g = self.slot.lock().unwrap();
+        if g.abandoned {
+            return Some(r);
+        }
+        g.result = Some(r);
+        self.done.notify_all();
+        None
+    }
+
+    fn abandon(&self) -> Abandoned {
+        let mut g = self.slot.lock().unwrap();
+        if let Some(r) = g.result.take() {
+            return Abandoned::Done(r);
+        }
+        g.abandoned = true;
+        match g.started {
+            true => Abandoned::InFlight,
+            false => Abandoned::Cancelled,
         }
     }
 }
@@ -202,6 +254,23 @@ impl StreamedStore {
                 .map(|k| (k, pre.remove(&k).unwrap()))
                 .collect();
         }
+        // Abandoned before this layer's own reads are queued: the readers skip the guesses that
+        // have not started, so they never delay a needed read nor take disk bandwidth (at a
+        // 10 % budget the disk is saturated and a third of the guesses are wrong), and nothing
+        // waits for those already in flight.
+        let (mut wasted, mut cancelled) = (0u64, 0u64);
+        for (key, p) in stale {
+            match p.abandon() {
+                Abandoned::Cancelled => cancelled += 1,
+                Abandoned::InFlight => wasted += 1,
+                Abandoned::Done(r) => {
+                    wasted += 1;
+                    if let (_, Ok(buf), _) = r {
+                        self.cache.lock().unwrap().insert(key, Arc::new(buf), false);
+                    }
+                }
+            }
+        }
         let (tx, rx) = channel();
         {
             let jobs = self.jobs.lock().unwrap();
@@ -257,20 +326,14 @@ impl StreamedStore {
                 }
             }
         }
-        // Unneeded lookahead reads still count as bytes read; keep them if the cache has room.
-        let mut wasted = 0;
-        for (key, p) in stale {
-            wasted += 1;
-            if let (_, Ok(buf), _) = p.wait() {
-                self.cache.lock().unwrap().insert(key, Arc::new(buf), false);
-            }
-        }
+        // Unneeded lookahead reads that ran still count as bytes read (kept if the cache has room).
         let mut st = self.stats.lock().unwrap();
         let ls = &mut st.per_layer[layer];
         ls.hits += hits.len() as u64;
         ls.misses += (n_pending + misses.len()) as u64;
         ls.prefetched += n_pending as u64;
         ls.prefetch_wasted += wasted;
+        ls.prefetch_cancelled += cancelled;
         ls.bytes_read += ((n_pending + misses.len() + wasted as usize) * self.stride) as u64;
         ls.read_seconds += read;
         ls.io_wait_seconds += wait;
@@ -323,6 +386,11 @@ fn worker(rx: Arc<Mutex<Receiver<Job>>>, store: std::sync::Weak<StreamedStore>) 
             Err(_) => return,
         };
         let Some(store) = store.upgrade() else { return };
+        if let Reply::Prefetch(p) = &job.reply {
+            if !p.start() {
+                continue;
+            }
+        }
         store.busy(true);
         let t = Instant::now();
         let result = store.read_blob(job.layer, job.expert, job.blob);
@@ -333,8 +401,14 @@ fn worker(rx: Arc<Mutex<Receiver<Job>>>, store: std::sync::Weak<StreamedStore>) 
                 let _ = tx.send((job.key, result, secs));
             }
             Reply::Prefetch(p) => {
-                *p.slot.lock().unwrap() = Some((job.key, result, secs));
-                p.done.notify_all();
+                // Abandoned while it was read: the layer has moved on, keep the blob if it fits.
+                if let Some((key, Ok(buf), _)) = p.finish((job.key, result, secs)) {
+                    store
+                        .cache
+                        .lock()
+                        .unwrap()
+                        .insert(key, Arc::new(buf), false);
+                }
             }
         }
     }
