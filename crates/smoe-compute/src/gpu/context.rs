@@ -41,10 +41,12 @@ pub struct GpuInfo {
 /// Fused tails rely on a storage barrier publishing a workgroup's writes device-wide before its
 /// atomic count-in: naga emits a device-scope acquire-release barrier for SPIR-V (Vulkan), while
 /// Metal's `threadgroup_barrier(mem_device)` orders memory only within the threadgroup. So they
-/// are used on Vulkan only; `SMOE_FUSED_TAILS=0` turns them off there too.
+/// are used on Vulkan only — not through MoltenVK, which is Metal underneath —
+/// and `SMOE_FUSED_TAILS=0` turns them off there too.
 fn fused_tails_probe(info: &wgpu::AdapterInfo) -> bool {
     let off = std::env::var("SMOE_FUSED_TAILS").is_ok_and(|v| v == "0");
-    info.backend == wgpu::Backend::Vulkan && !off
+    let metal_underneath = info.driver.contains("MoltenVK") || info.name.contains("Apple");
+    info.backend == wgpu::Backend::Vulkan && !metal_underneath && !off
 }
 
 /// Whether the prefill GEMMs use the matrix units (tensor cores): `kernels/matmul_coop.wgsl`,
