@@ -559,7 +559,6 @@ fn main(
         slot_base[li] = p.w_off + ids[p.ids_off + slot] * p.w_mat_stride;
         slot_w[li] = rw[p.rw_off + slot];
     }
-    let n_items = select(ROWS * select(1u, 2u, GATED), ROWS * NT, REDUCE);
     if NORM {
         rms(li, sg, nsg, lane, xbase, nt);
     }
@@ -570,6 +569,7 @@ fn main(
         stage(li, xbase, c0, tc, nt, t0, wid.x * p.hn_per, (wid.x + 1u) * p.hn_per);
         let nchunks = tc / cv;
         let cfirst = c0 / cv;
+        let n_items = select(ROWS * select(1u, 2u, GATED), ROWS * NT, REDUCE);
         for (var i0 = sg * U; i0 < n_items; i0 += nsg * U) {
             items(i0, row0, wbase, cfirst, nchunks, lane, ss);
         }

@@ -377,13 +377,11 @@ impl DecodeAttention {
         } else {
             Binding::whole(&unused)
         };
-        let counters = match merge {
-            true => ctx.storage_buffer(
-                "attention merge counters",
-                4 * (a.n_tokens * a.n_heads) as u64,
-            ),
-            false => ctx.storage_buffer("attention (no merge)", 16),
-        };
+        // MERGE's counters, one per (token, head); without a merge the binding is never read.
+        let counters = merge.then(|| {
+            let n = a.n_tokens * a.n_heads;
+            ctx.storage_buffer("attention merge counters", 4 * n as u64)
+        });
         let bufs = [
             Binding::whole(a.step),
             qb,
@@ -396,7 +394,7 @@ impl DecodeAttention {
             rb[2].0,
             rb[3].0,
             rb[4].0,
-            Binding::whole(&counters),
+            Binding::whole(counters.as_ref().unwrap_or(&unused)),
             Binding::whole(&part),
         ];
         let groups = [n_split, a.n_heads, a.n_tokens];

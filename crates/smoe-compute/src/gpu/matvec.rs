@@ -297,10 +297,9 @@ fn tail_kind(f: &Fuse) -> u32 {
 struct Tail<'a> {
     kind: u32,
     /// The last-workgroup counters: one per token tile (route) or row block (sum), zeroed at
-    /// creation; the last workgroup resets its own.
+    /// creation; the last workgroup resets its own. Also bound where a tail has no buffer of its
+    /// own (the kernel never touches those bindings then).
     done: wgpu::Buffer,
-    /// Bound where a tail has no buffer of its own.
-    spare: wgpu::Buffer,
     ids: Option<Binding<'a>>,
     acc: Option<Binding<'a>>,
     k: u32,
@@ -324,14 +323,12 @@ impl<'a> Tail<'a> {
             _ => 1,
         };
         let done = ctx.storage_buffer("matvec tail counters", 4 * counters as u64);
-        let spare = ctx.storage_buffer("matvec (no tail)", 16);
         if kind == 0 {
             return Ok(Tail {
                 kind,
                 ids: None,
                 acc: None,
                 done,
-                spare,
                 k: 0,
                 normalize: 0,
                 a_off: 0,
@@ -370,7 +367,6 @@ impl<'a> Tail<'a> {
             return Ok(Tail {
                 kind,
                 done,
-                spare,
                 ids: Some(ids),
                 acc: Some(acc),
                 k: r.k as u32,
@@ -398,7 +394,6 @@ impl<'a> Tail<'a> {
         Ok(Tail {
             kind,
             done,
-            spare,
             ids: None,
             acc: Some(acc),
             k: t.k as u32,
@@ -653,8 +648,8 @@ impl MatVec {
                     rb.entry(6),
                     hb.entry(7),
                     Binding::whole(&tail.done).entry(8),
-                    tail.ids.unwrap_or(Binding::whole(&tail.spare)).entry(9),
-                    tail.acc.unwrap_or(Binding::whole(&tail.spare)).entry(10),
+                    tail.ids.unwrap_or(Binding::whole(&tail.done)).entry(9),
+                    tail.acc.unwrap_or(Binding::whole(&tail.done)).entry(10),
                     yb.entry(11),
                 ],
             )?;
