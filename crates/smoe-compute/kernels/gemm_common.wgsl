@@ -2,7 +2,9 @@
 // the token tile, the global loads of a K-step's weight and x pieces, and the weight values of
 // one staged piece (a 16-byte chunk of stored codes). Each kernel declares the tile overrides
 // used here (DTYPE, BM, BN, BK, GATED, GROUPED, OR, PV, CPV, W_PIECES, X_PIECES, WP, XP, WG,
-// MAXP) and the workgroup arrays `tok` and `xrow`.
+// MAXP), the workgroup arrays `tok` and `xrow`, and which invocation loads what: `w_piece(d)`,
+// the (tile row, step offset) of weight piece d (PV step positions from there), and
+// `x_piece(d)`, the (tile token, step offset) of x piece d (4 positions).
 
 // Values at step positions p0 + 4j .. p0 + 4j + 3 of the piece that starts at position p0:
 // q is the piece's chunk, pw the u32 that holds its 64-group's f16 parameters. A bf16 piece
@@ -100,8 +102,9 @@ fn load_step(li: u32, c0: u32, wbase: u32, r0: u32) {
     for (var n = 0u; n < WP; n++) {
         let d = li + n * WG;
         if d < W_PIECES {
-            let i = d % BM;
-            let p0 = c0 + (d / BM) * PV;
+            let wp = w_piece(d);
+            let i = wp.x;
+            let p0 = c0 + wp.y;
             var q = vec4<u32>(0u);
             var pw = 0u;
             // Only bf16 can have a partial last step (cols % 8 == 0); quantized cols are
@@ -122,10 +125,11 @@ fn load_step(li: u32, c0: u32, wbase: u32, r0: u32) {
     for (var n = 0u; n < XP; n++) {
         let d = li + n * WG;
         if d < X_PIECES {
-            let pos = c0 + 4u * (d / BN);
+            let xp = x_piece(d);
+            let pos = c0 + xp.y;
             var v = vec4<f32>(0.0);
             if pos < p.cols {
-                v = x[xrow[d % BN] + column(pos) / 4u];
+                v = x[xrow[xp.x] + column(pos) / 4u];
             }
             xraw[n] = v;
         }

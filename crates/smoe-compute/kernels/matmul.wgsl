@@ -73,13 +73,25 @@ fn put4(kk: u32, i: u32, v: vec4<f32>) {
     ws[at + 3u * (BM / 4u)][c] = v.w;
 }
 
+// Piece d's tile row and step offset: consecutive invocations, consecutive rows (so that the
+// stores below touch consecutive banks).
+fn w_piece(d: u32) -> vec2<u32> {
+    return vec2<u32>(d % BM, (d / BM) * PV);
+}
+
+// Position 4·(d / BN).., token d % BN: consecutive invocations, consecutive tokens.
+fn x_piece(d: u32) -> vec2<u32> {
+    return vec2<u32>(d % BN, 4u * (d / BN));
+}
+
 // Decodes the loaded step (at position c0) into ws and xs.
 fn store_step(li: u32, c0: u32) {
     for (var n = 0u; n < WP; n++) {
         let d = li + n * WG;
         if d < W_PIECES {
-            let i = d % BM;
-            let kk = (d / BM) * PV;
+            let wp = w_piece(d);
+            let i = wp.x;
+            let kk = wp.y;
             let p0 = c0 + kk;
             for (var j = 0u; j < PV / 4u; j++) {
                 put4(kk + 4u * j, i, dequant4(wraw[n], wpar[n], p0, j));
@@ -89,9 +101,9 @@ fn store_step(li: u32, c0: u32) {
     for (var n = 0u; n < XP; n++) {
         let d = li + n * WG;
         if d < X_PIECES {
-            // Position 4·(d / BN).., token t: consecutive invocations, consecutive tokens.
-            let t = d % BN;
-            let at = 4u * (d / BN) * (BN / 4u) + t / 4u;
+            let xp = x_piece(d);
+            let t = xp.x;
+            let at = xp.y * (BN / 4u) + t / 4u;
             let c = t % 4u;
             let v = xraw[n];
             xs[at][c] = v.x;
