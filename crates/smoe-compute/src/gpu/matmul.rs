@@ -43,7 +43,7 @@ pub struct MatMulDesc<'a> {
 
 /// Workgroup tile of the GEMM. f32 kernel: each invocation computes 8 rows × 4 tokens, so a
 /// workgroup has `bm / 8 · bn / 4` invocations; workgroup memory is `4 · bk · (bm + bn)` bytes
-/// plus 8 per token. Matrix units (`coop`): 128 invocations, `bm` 128, `bk` 32 or 64.
+/// plus 8 per token and 16. Matrix units (`coop`): 128 invocations, `bm` 128, `bk` 32 or 64.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MatMulTuning {
     /// On the matrix units (f16 inputs, f32 sums) instead of the f32 ALUs.
@@ -149,7 +149,8 @@ impl MatMulTuning {
             // f16 tiles (w, x high, x low) with 8 columns of padding, 4 subgroups × 2 parked
             // 16 × 16 f32 blocks.
             true => 2 * (bk + 8) * (bm + 2 * bn) + 4 * 2048 + 8 * bn + 16,
-            false => 4 * bk * (bm + bn) + 8 * bn + 8,
+            // f32 tiles, tok and xrow, and the 16-byte-aligned vec3 `unit`.
+            false => 4 * bk * (bm + bn) + 8 * bn + 16,
         }
     }
 
@@ -488,5 +489,66 @@ mod tests {
         // 16 KiB, or wider than the kernel's 64 tokens: the f32 kernel.
         assert!(MatMulTuning::coop_fitting(16, 16 << 10).is_none());
         assert!(MatMulTuning::coop_fitting(128, 48 << 10).is_none());
+    }
+
+    /// Bytes of workgroup memory `kernel` declares with `constants` (naga's layout of each
+    /// workgroup variable, summed).
+    fn declared_workgroup_bytes(kernel: &str, constants: &[(&str, f64)]) -> u64 {
+        let src = crate::gpu::kernel_source(kernel).unwrap();
+        let module = naga::front::wgsl::parse_str(&src).unwrap();
+        let info = naga::valid::Validator::new(
+            naga::valid::ValidationFlags::all(),
+            naga::valid::Capabilities::all(),
+        )
+        .validate(&module)
+        .unwrap();
+        let mut consts = naga::back::PipelineConstants::default();
+        consts.extend(constants.iter().map(|(k, v)| (k.to_string(), *v)));
+        let (module, _) =
+            naga::back::pipeline_constants::process_overrides(&module, &info, None, &consts)
+                .unwrap();
+        let mut layouter = naga::proc::Layouter::default();
+        layouter.update(module.to_ctx()).unwrap();
+        module
+            .global_variables
+            .iter()
+            .filter(|(_, v)| v.space == naga::AddressSpace::WorkGroup)
+            .map(|(_, v)| layouter[v.ty].size as u64)
+            .sum()
+    }
+
+    /// The wrapper refuses tiles by `workgroup_bytes`, so it must count what the kernels
+    /// declare: the tensor-core kernel goes to the driver as passthrough SPIR-V, which wgpu
+    /// does not check, and a tile over the device's limit is not refused there (on the H200 a
+    /// variant declaring 1.7 KiB more than the wrapper counted hung the device's run).
+    #[test]
+    fn workgroup_bytes_counts_what_the_kernels_declare() {
+        for bn in [16u32, 32, 48, 64] {
+            for (bk, dtype) in [(32u32, 0.0), (64, 2.0), (64, 0.0)] {
+                let t = MatMulTuning {
+                    bk,
+                    ..MatMulTuning::coop(bn)
+                };
+                let consts = [("DTYPE", dtype), ("BN", bn as f64), ("BK", bk as f64)];
+                assert_eq!(
+                    declared_workgroup_bytes("matmul_coop", &consts),
+                    t.workgroup_bytes(),
+                    "{t:?}"
+                );
+            }
+            for (bm, bk) in [(64u32, 16u32), (128, 16), (128, 32)] {
+                let t = MatMulTuning {
+                    coop: false,
+                    bm,
+                    bn,
+                    bk,
+                };
+                let consts = [("BM", bm as f64), ("BN", bn as f64), ("BK", bk as f64)];
+                assert!(
+                    declared_workgroup_bytes("matmul", &consts) <= t.workgroup_bytes(),
+                    "{t:?}"
+                );
+            }
+        }
     }
 }
