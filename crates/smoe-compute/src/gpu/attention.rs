@@ -228,6 +228,31 @@ pub struct FusedRope<'a> {
     pub eps: f32,
 }
 
+impl<'a> QkNormRopeDesc<'a> {
+    /// The separate dispatch of `rope`'s work before attention `a` (same q, caches and shape):
+    /// what a batch of tokens runs where one token fuses it (`DecodeAttention::with_rope`).
+    pub fn before(a: &AttnDesc<'a>, rope: &FusedRope<'a>) -> Self {
+        QkNormRopeDesc {
+            q: a.q,
+            k: rope.k,
+            v: rope.v,
+            k_cache: a.k_cache,
+            v_cache: a.v_cache,
+            norms: rope.norms,
+            inv_freq: rope.inv_freq,
+            rot_dim: rope.rot_dim,
+            rope_scale: rope.rope_scale,
+            eps: rope.eps,
+            step: a.step,
+            n_heads: a.n_heads,
+            n_kv_heads: a.n_kv_heads,
+            head_dim: a.head_dim,
+            n_tokens: a.n_tokens,
+            capacity: a.capacity,
+        }
+    }
+}
+
 #[repr(C)]
 #[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
 struct CombineParams {

@@ -178,45 +178,6 @@ impl GpuKv {
             let mut scratch: Option<wgpu::Buffer> = None;
             for (l, lw) in x.w.layers.iter().enumerate() {
                 let r = rope_inputs(lw, x.a, c, n);
-                let eps = c.rms_norm_eps as f32;
-                let inv_freq = BufRef::new(&x.w.inv_freq);
-                // One token: the decode attention normalizes, rotates and appends itself.
-                let fused = (n == 1).then_some(FusedRope {
-                    k: r.k,
-                    v: r.v,
-                    norms: r.norms,
-                    inv_freq,
-                    rot_dim: hd,
-                    rope_scale: x.rope_scale,
-                    eps,
-                });
-                let rope = match fused {
-                    Some(_) => None,
-                    None => Some(
-                        QkNormRope::new(
-                            x.ctx,
-                            &QkNormRopeDesc {
-                                q: r.q,
-                                k: r.k,
-                                v: r.v,
-                                k_cache: BufRef::new(&k[l]),
-                                v_cache: BufRef::new(&v[l]),
-                                norms: r.norms,
-                                inv_freq,
-                                rot_dim: hd,
-                                rope_scale: x.rope_scale,
-                                eps,
-                                step: x.step,
-                                n_heads: c.num_heads,
-                                n_kv_heads: c.num_kv_heads,
-                                head_dim: hd,
-                                n_tokens: n,
-                                capacity,
-                            },
-                        )
-                        .map_err(gpu_err)?,
-                    ),
-                };
                 let desc = AttnDesc {
                     q: r.q,
                     k_cache: BufRef::new(&k[l]),
@@ -231,6 +192,24 @@ impl GpuKv {
                     scale: (hd as f32).powf(-0.5),
                     window: c.sliding_window,
                 };
+                let rope = FusedRope {
+                    k: r.k,
+                    v: r.v,
+                    norms: r.norms,
+                    inv_freq: BufRef::new(&x.w.inv_freq),
+                    rot_dim: hd,
+                    rope_scale: x.rope_scale,
+                    eps: c.rms_norm_eps as f32,
+                };
+                // One token: the decode attention normalizes, rotates and appends itself.
+                let fused = (n == 1).then_some(rope);
+                let separate = match fused {
+                    Some(_) => None,
+                    None => {
+                        let d = QkNormRopeDesc::before(&desc, &rope);
+                        Some(QkNormRope::new(x.ctx, &d).map_err(gpu_err)?)
+                    }
+                };
                 let attn = match n >= PREFILL_MIN {
                     true => {
                         Attention::Prefill(PrefillAttention::new(x.ctx, &desc).map_err(gpu_err)?)
@@ -244,7 +223,7 @@ impl GpuKv {
                         Attention::Decode(a.map_err(gpu_err)?)
                     }
                 };
-                per_layer.push((rope, attn));
+                per_layer.push((separate, attn));
             }
             ops.push(per_layer);
         }

@@ -203,25 +203,19 @@ impl B<'_> {
             top_k(&mut ops)?;
             return Ok(ops);
         }
-        if self.ctx.fused_tails() {
+        let tail = self.ctx.fused_tails();
+        if tail {
             fuse.route = Some(RouteTail {
                 ids,
                 weights,
                 k,
                 normalize,
             });
-            return Ok(vec![self.mv(
-                step,
-                router.w(0),
-                None,
-                x,
-                logits,
-                None,
-                fuse,
-            )?]);
         }
         let mut ops = vec![self.mv(step, router.w(0), None, x, logits, None, fuse)?];
-        top_k(&mut ops)?;
+        if !tail {
+            top_k(&mut ops)?;
+        }
         Ok(ops)
     }
 

@@ -263,11 +263,9 @@ impl StreamedStore {
             match p.abandon() {
                 Abandoned::Cancelled => cancelled += 1,
                 Abandoned::InFlight => wasted += 1,
-                Abandoned::Done(r) => {
+                Abandoned::Done((_, r, _)) => {
                     wasted += 1;
-                    if let (_, Ok(buf), _) = r {
-                        self.cache.lock().unwrap().insert(key, Arc::new(buf), false);
-                    }
+                    self.keep_unneeded(key, r);
                 }
             }
         }
@@ -360,6 +358,14 @@ impl StreamedStore {
         self.busy.lock().unwrap().0 = 0.0;
     }
 
+    /// A lookahead read the layer did not need: cached (not pinned) if the read succeeded and
+    /// the cache has room; a failed one is dropped (nothing from a failed read is cached).
+    fn keep_unneeded(&self, key: usize, r: Result<AlignedBuf, EngineError>) {
+        if let Ok(buf) = r {
+            self.cache.lock().unwrap().insert(key, Arc::new(buf), false);
+        }
+    }
+
     fn busy(&self, start: bool) {
         let mut b = self.busy.lock().unwrap();
         if start {
@@ -401,13 +407,9 @@ fn worker(rx: Arc<Mutex<Receiver<Job>>>, store: std::sync::Weak<StreamedStore>) 
                 let _ = tx.send((job.key, result, secs));
             }
             Reply::Prefetch(p) => {
-                // Abandoned while it was read: the layer has moved on, keep the blob if it fits.
-                if let Some((key, Ok(buf), _)) = p.finish((job.key, result, secs)) {
-                    store
-                        .cache
-                        .lock()
-                        .unwrap()
-                        .insert(key, Arc::new(buf), false);
+                // Abandoned while it was read: the layer has moved on.
+                if let Some((key, r, _)) = p.finish((job.key, result, secs)) {
+                    store.keep_unneeded(key, r);
                 }
             }
         }
