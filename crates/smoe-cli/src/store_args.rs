@@ -83,13 +83,16 @@ impl StoreArgs {
             tracing::warn!("cannot save the expert profile: {e}");
         }
         let st = experts.stats();
-        if let (true, Some((hits, misses))) = (self.stats, engine.model.vram_slot_stats()) {
-            let rate = if hits + misses > 0 {
-                100.0 * hits as f64 / (hits + misses) as f64
+        if let (true, Some(v)) = (self.stats, engine.model.vram_slot_stats()) {
+            let rate = if v.hits + v.misses > 0 {
+                100.0 * v.hits as f64 / (v.hits + v.misses) as f64
             } else {
                 0.0
             };
-            eprintln!("[VRAM expert slots: {hits} hits, {misses} misses ({rate:.1}% hit rate); the line below is the host store behind them]");
+            eprintln!(
+                "[VRAM expert slots: {} hits, {} misses ({rate:.1}% hit rate); passes {:.3}s: GPU wait {:.3}s, filling slots {:.3}s (uploads {:.3}s) at {} router stops; the line below is the host store behind them]",
+                v.hits, v.misses, v.pass_s, v.gpu_wait_s, v.fill_s, v.upload_s, v.stops
+            );
         }
         if self.stats {
             match &st {

@@ -77,7 +77,9 @@ fn gpu_tokens_do_not_depend_on_the_expert_cache() {
             let Model::Gpu(g) = &e.model else {
                 unreachable!()
             };
-            let (hits, misses) = g.slot_stats().expect("streaming");
+            let slots = g.slot_stats().expect("streaming");
+            let (hits, misses) = (slots.hits, slots.misses);
+            assert!(slots.stops > 0 && slots.pass_s >= slots.gpu_wait_s + slots.fill_s);
             eprintln!(
                 "{name} {budget:?}: max |Δlogprob| {worst:.1e}; VRAM slots {hits} hits, {misses} misses; host cache {} hits, {} misses",
                 st.total.hits, st.total.misses

@@ -335,6 +335,7 @@ fn decode(a: DecodeArgs) -> Result<()> {
         }
     }
     experts.reset_stats();
+    engine.model.reset_vram_slot_stats();
     let mut tg_tps = vec![];
     for r in 0..a.reps {
         tg_tps.push(decode_run(a.tg, r * a.tg)?);
@@ -410,6 +411,8 @@ fn decode(a: DecodeArgs) -> Result<()> {
         "hit_rate": stats.as_ref().map(|s| s.hit_rate),
         "read_gb_per_s": stats.as_ref().map(|s| s.read_gb_per_s),
         "cache_budget_bytes": stats.as_ref().map(|s| s.cache_budget),
+        "io_wait_s": stats.as_ref().map(|s| s.total.io_wait_seconds),
+        "vram_slots": engine.model.vram_slot_stats(),
         "breakdown": breakdown.as_ref().map(|b| b.iter().map(|(what, n, busy, p)| breakdown_json(what, *n, busy, p)).collect::<Vec<_>>()),
     });
     if let Some(b) = &breakdown {

@@ -126,6 +126,30 @@ struct Streaming {
     ahead: Readback,
     hits: AtomicU64,
     misses: AtomicU64,
+    /// Nanoseconds the host spent, per kind (`SlotStats`).
+    gpu_wait_ns: AtomicU64,
+    fill_ns: AtomicU64,
+    upload_ns: AtomicU64,
+    pass_ns: AtomicU64,
+    stops: AtomicU64,
+}
+
+/// What the streaming GPU path did since load (or `reset_slot_stats`): VRAM slot hits and misses
+/// (distinct experts per layer and batch), and where the host's time went at the router stops.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct SlotStats {
+    pub hits: u64,
+    pub misses: u64,
+    /// Router stops (one submission and wait per MoE layer and batch).
+    pub stops: u64,
+    /// Waiting for the GPU to reach a router stop (its compute, and the submission's latency).
+    pub gpu_wait_s: f64,
+    /// Filling slots: reads waited for, plus the uploads below.
+    pub fill_s: f64,
+    /// Copying blobs into the staging memory of `queue.write_buffer`.
+    pub upload_s: f64,
+    /// Forward passes in all (the rest is recording, submitting and the last wait).
+    pub pass_s: f64,
 }
 
 struct SlotTable {
@@ -134,6 +158,10 @@ struct SlotTable {
     /// Per layer: slot → (expert held, last use).
     held: Vec<Vec<(Option<usize>, u64)>>,
     clock: u64,
+}
+
+fn nanos(d: std::time::Duration) -> u64 {
+    d.as_nanos() as u64
 }
 
 /// Layers per submission on the resident path: the GPU starts on the first layers while the
@@ -248,6 +276,11 @@ impl GpuDecoder {
                     ahead: Readback::new(ctx, 4 * (T_MAX * k) as u64),
                     hits: AtomicU64::new(0),
                     misses: AtomicU64::new(0),
+                    gpu_wait_ns: AtomicU64::new(0),
+                    fill_ns: AtomicU64::new(0),
+                    upload_ns: AtomicU64::new(0),
+                    pass_ns: AtomicU64::new(0),
+                    stops: AtomicU64::new(0),
                 })
             }
             _ => None,
@@ -473,13 +506,18 @@ impl GpuDecoder {
                         }
                         q.submit([enc.finish()]);
                         host += recording.elapsed();
+                        let waiting = Instant::now();
                         let read = |b: &[u8]| bytemuck::pod_collect_to_vec(b);
                         let ids: Vec<u32> = st.ids.read(&self.ctx, bytes, read)?;
                         if let Some(next) = ahead {
                             let guess: Vec<u32> = st.ahead.read(&self.ctx, bytes, read)?;
                             self.prefetch_guess(st, next, &guess);
                         }
+                        let filling = Instant::now();
                         let slots = self.fill_slots(st, l, &ids)?;
+                        st.stops.fetch_add(1, Ordering::Relaxed);
+                        st.gpu_wait_ns.fetch_add(nanos(filling - waiting), Ordering::Relaxed);
+                        st.fill_ns.fetch_add(nanos(filling.elapsed()), Ordering::Relaxed);
                         q.write_buffer(&self.acts.ids, 0, bytemuck::cast_slice(&slots));
                         (from, resume) = (l, true);
                     }
@@ -525,8 +563,9 @@ impl GpuDecoder {
             p.acc.passes += 1;
         }
         kv.len += tokens.len();
-        if self.streaming.is_some() {
+        if let Some(st) = &self.streaming {
             self.experts.tick();
+            st.pass_ns.fetch_add(nanos(started.elapsed()), Ordering::Relaxed);
         }
         Ok(greedy)
     }
@@ -764,7 +803,9 @@ impl GpuDecoder {
         let read = self.experts.for_each_blob(l, &misses, &mut |e, bytes| {
             let s = slot_of[e].expect("assigned above") as u64;
             let len = bytes.len().min(stride as usize) & !3;
+            let t = Instant::now();
             q.write_buffer(buf, s * stride, &bytes[..len]);
+            st.upload_ns.fetch_add(nanos(t.elapsed()), Ordering::Relaxed);
         });
         if let Err(err) = read {
             for &e in &misses {
@@ -809,13 +850,26 @@ impl GpuDecoder {
         self.kv_pool.len()
     }
 
-    /// Streaming: VRAM slot hits and misses (distinct experts per layer and batch) since load.
-    pub fn slot_stats(&self) -> Option<(u64, u64)> {
-        self.streaming.as_ref().map(|s| {
-            (
-                s.hits.load(Ordering::Relaxed),
-                s.misses.load(Ordering::Relaxed),
-            )
+    /// Streaming: VRAM slot hits and misses, and the host's time at the router stops, since
+    /// load or the last `reset_slot_stats`.
+    pub fn slot_stats(&self) -> Option<SlotStats> {
+        let secs = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64 * 1e-9;
+        self.streaming.as_ref().map(|s| SlotStats {
+            hits: s.hits.load(Ordering::Relaxed),
+            misses: s.misses.load(Ordering::Relaxed),
+            stops: s.stops.load(Ordering::Relaxed),
+            gpu_wait_s: secs(&s.gpu_wait_ns),
+            fill_s: secs(&s.fill_ns),
+            upload_s: secs(&s.upload_ns),
+            pass_s: secs(&s.pass_ns),
         })
+    }
+
+    pub fn reset_slot_stats(&self) {
+        if let Some(s) = &self.streaming {
+            for a in [&s.hits, &s.misses, &s.stops, &s.gpu_wait_ns, &s.fill_ns, &s.upload_ns, &s.pass_ns] {
+                a.store(0, Ordering::Relaxed);
+            }
+        }
     }
 }

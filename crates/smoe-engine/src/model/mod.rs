@@ -104,11 +104,19 @@ impl Model {
         }
     }
 
-    /// VRAM expert-slot (hits, misses) when the GPU backend streams experts.
-    pub fn vram_slot_stats(&self) -> Option<(u64, u64)> {
+    /// VRAM expert slots (hits, misses, host time at the router stops) when the GPU backend
+    /// streams experts.
+    pub fn vram_slot_stats(&self) -> Option<gpu_decoder::SlotStats> {
         match self {
             Model::Gpu(m) => m.slot_stats(),
             Model::Decoder(_) => None,
+        }
+    }
+
+    /// Zeroes what `vram_slot_stats` counts.
+    pub fn reset_vram_slot_stats(&self) {
+        if let Model::Gpu(m) = self {
+            m.reset_slot_stats();
         }
     }
 
