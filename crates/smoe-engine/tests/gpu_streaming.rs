@@ -20,6 +20,7 @@ fn open(path: &Path, budget: CacheBudget) -> Engine {
         budget,
         profile: false,
         read_threads: 4,
+        read_piece: smoe_engine::store::DEFAULT_READ_PIECE,
         fault: None,
     };
     let e = Engine::open(
@@ -125,6 +126,7 @@ fn gpu_streaming_faults_fail_the_request_and_nothing_stays_cached() {
         budget: CacheBudget::Fraction(0.25),
         profile: false,
         read_threads: 2,
+        read_piece: smoe_engine::store::DEFAULT_READ_PIECE,
         fault: Some(fault),
     };
     let opts = EngineOptions {

@@ -37,6 +37,12 @@ impl AlignedBuf {
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 
+    /// The start of the buffer, for writers of disjoint ranges (the pieces of one blob read by
+    /// several threads). The allocation does not move while `self` lives, wherever `self` goes.
+    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+        self.ptr
+    }
+
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as above, and &mut self guarantees exclusivity.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }

@@ -1,7 +1,6 @@
 //! Reads expert blobs from the vault without going through the page cache (O_DIRECT on Linux,
 //! F_NOCACHE on macOS), so the bytes are held once — in our cache — not twice.
 
-use super::aligned::AlignedBuf;
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
@@ -40,18 +39,13 @@ impl BlobReader {
         })
     }
 
-    /// Reads `len` bytes (a multiple of 16 KiB) at `offset` (16 KiB aligned) into `buf`.
-    pub fn read(
-        &self,
-        layer: usize,
-        expert: usize,
-        offset: u64,
-        buf: &mut AlignedBuf,
-    ) -> io::Result<()> {
+    /// Reads `dst.len()` bytes (a multiple of 16 KiB) at `offset` (16 KiB aligned) into `dst`
+    /// (16 KiB aligned: a whole `AlignedBuf` or a piece of one). The fault hook is asked once
+    /// per call, i.e. once per piece of a blob.
+    pub fn read(&self, layer: usize, expert: usize, offset: u64, dst: &mut [u8]) -> io::Result<()> {
         if let Some(err) = self.fault.as_ref().and_then(|f| f(layer, expert)) {
             return Err(err);
         }
-        let dst = buf.as_mut_slice();
         if self.use_direct.load(Ordering::Relaxed) {
             let f = self.direct.as_ref().expect("direct handle");
             match f.read_exact_at(dst, offset) {

@@ -1,0 +1,450 @@
+//! Blob reads split into pieces, and the queue the reader threads take pieces from.
+//!
+//! Two priorities: a read a layer needs now always goes before a lookahead guess, and at most a
+//! few readers read guesses at a time, so a needed read that arrives finds at most those few
+//! pieces ahead of it on the disk. Guesses therefore use the disk's idle time instead of its
+//! bandwidth, and a guess that turns out wrong is dropped piece by piece: the pieces no reader
+//! has started are never read. Several readers share one blob's pieces, so on a device that
+//! wants a deep queue (NVMe) even a single miss is read at the device's parallel speed.
+
+use super::aligned::AlignedBuf;
+use crate::error::EngineError;
+use std::collections::VecDeque;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
+
+/// A finished read: the expert key, the verified blob (or why not), seconds from its first
+/// piece's start to its last piece's end.
+pub type ReadResult = (usize, Result<AlignedBuf, EngineError>, f64);
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub enum Priority {
+    /// A layer waits for it.
+    Needed,
+    /// Lookahead: a later layer will probably need it.
+    Guess,
+}
+
+/// One blob being read, in pieces the reader threads take in order.
+pub struct BlobRead {
+    pub key: usize,
+    pub layer: usize,
+    pub expert: usize,
+    pub blob: usize,
+    pub offset: u64,
+    len: usize,
+    piece: usize,
+    pieces: usize,
+    /// Where the blob lands; piece `i` is written only by the reader that took it.
+    dst: *mut u8,
+    state: Mutex<ReadState>,
+    done: Condvar,
+}
+
+// SAFETY: `dst` points into the `AlignedBuf` held by `state`, which is freed only once no
+// reader holds a piece (see `ReadState::buf`); each piece's range is handed to one reader.
+unsafe impl Send for BlobRead {}
+unsafe impl Sync for BlobRead {}
+
+struct ReadState {
+    /// Dropped or handed on only when `unfinished` is 0: no reader is writing into it.
+    buf: Option<AlignedBuf>,
+    /// The next piece to hand out (`pieces`: none left).
+    next: usize,
+    /// Pieces handed out or still to hand out that have not finished.
+    unfinished: usize,
+    /// Pieces read successfully.
+    read: usize,
+    failed: Option<String>,
+    priority: Priority,
+    abandoned: bool,
+    started: Option<Instant>,
+    result: Option<ReadResult>,
+}
+
+/// What abandoning a guess found.
+pub enum Abandoned {
+    /// No piece was started: nothing of it is read.
+    Cancelled,
+    /// Pieces are being read; the rest are dropped (a whole blob read meanwhile is cached by
+    /// its last reader).
+    InFlight,
+    /// Already read.
+    Done(ReadResult),
+}
+
+/// What a finished piece leaves to its reader.
+pub enum Finished {
+    /// Other pieces are still out, or a dropped guess is incomplete.
+    Nothing,
+    /// The blob is whole (or failed) and nobody waits for it any more: the reader decides
+    /// what to keep.
+    Unneeded(ReadResult),
+}
+
+impl BlobRead {
+    /// A read of `len` bytes (a multiple of 16 KiB) at `offset`, in pieces of `piece` bytes (a
+    /// multiple of 16 KiB).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        key: usize,
+        layer: usize,
+        expert: usize,
+        blob: usize,
+        offset: u64,
+        len: usize,
+        piece: usize,
+        priority: Priority,
+    ) -> Option<Arc<Self>> {
+        let mut buf = AlignedBuf::new(len)?;
+        let pieces = len.div_ceil(piece).max(1);
+        Some(Arc::new(BlobRead {
+            key,
+            layer,
+            expert,
+            blob,
+            offset,
+            len,
+            piece,
+            pieces,
+            dst: buf.as_mut_ptr(),
+            state: Mutex::new(ReadState {
+                buf: Some(buf),
+                next: 0,
+                unfinished: pieces,
+                read: 0,
+                failed: None,
+                priority,
+                abandoned: false,
+                started: None,
+                result: None,
+            }),
+            done: Condvar::new(),
+        }))
+    }
+
+    pub fn pieces(&self) -> usize {
+        self.pieces
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, ReadState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Hands the next unread piece to a reader: its index, file offset and destination. None
+    /// when no piece is left (all taken, the read failed, or the guess was dropped).
+    pub fn take_piece(&self) -> Option<(usize, u64, &mut [u8])> {
+        let mut s = self.state();
+        if s.next == self.pieces {
+            return None;
+        }
+        let i = s.next;
+        s.next += 1;
+        s.started.get_or_insert_with(Instant::now);
+        let start = i * self.piece;
+        let len = self.piece.min(self.len - start);
+        // SAFETY: piece i's range is in bounds, handed out once (under the lock), and the
+        // buffer lives until this piece is finished (`unfinished` counts it).
+        let dst = unsafe { std::slice::from_raw_parts_mut(self.dst.add(start), len) };
+        Some((i, self.offset + start as u64, dst))
+    }
+
+    /// A reader is done with a piece. When it was the last one out, the blob is verified by
+    /// `verify` (outside the lock) and handed to the waiting layer, or back to the reader when
+    /// nobody waits any more.
+    pub fn finish_piece(
+        &self,
+        ok: Result<(), String>,
+        verify: impl FnOnce(AlignedBuf) -> Result<AlignedBuf, EngineError>,
+        fail: impl FnOnce(String) -> EngineError,
+    ) -> Finished {
+        let (buf, failed, started, whole) = {
+            let mut s = self.state();
+            match ok {
+                Ok(()) => s.read += 1,
+                Err(e) => {
+                    // Nothing more of a failed blob is read.
+                    s.failed.get_or_insert(e);
+                    s.unfinished -= self.pieces - s.next;
+                    s.next = self.pieces;
+                }
+            }
+            s.unfinished -= 1;
+            if s.unfinished > 0 {
+                return Finished::Nothing;
+            }
+            let whole = s.read == self.pieces;
+            (s.buf.take(), s.failed.take(), s.started, whole)
+        };
+        let secs = started.map_or(0.0, |t| t.elapsed().as_secs_f64());
+        let result = match (failed, buf) {
+            (Some(e), _) => Err(fail(e)),
+            (None, Some(buf)) if whole => verify(buf),
+            // A dropped guess, incomplete: nothing to keep.
+            _ => return Finished::Nothing,
+        };
+        let r = (self.key, result, secs);
+        let mut s = self.state();
+        if s.abandoned {
+            return Finished::Unneeded(r);
+        }
+        s.result = Some(r);
+        self.done.notify_all();
+        Finished::Nothing
+    }
+
+    /// Waits until the blob is read (or failed).
+    pub fn wait(&self) -> ReadResult {
+        let mut s = self.state();
+        loop {
+            if let Some(r) = s.result.take() {
+                return r;
+            }
+            s = self.done.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// A guess the layer turned out not to need: its pieces not yet started are dropped.
+    pub fn abandon(&self) -> Abandoned {
+        let mut s = self.state();
+        if let Some(r) = s.result.take() {
+            return Abandoned::Done(r);
+        }
+        s.abandoned = true;
+        let started = s.next > 0;
+        s.unfinished -= self.pieces - s.next;
+        s.next = self.pieces;
+        if s.unfinished == 0 {
+            // No piece is out: the partial buffer goes now.
+            s.buf = None;
+        }
+        match started {
+            true => Abandoned::InFlight,
+            false => Abandoned::Cancelled,
+        }
+    }
+
+    /// A guess the layer needs after all: its remaining pieces, to queue as needed.
+    fn promote(&self) -> usize {
+        let mut s = self.state();
+        s.priority = Priority::Needed;
+        self.pieces - s.next
+    }
+}
+
+/// The reader threads' queue: one entry per piece still to read (an entry names the blob; the
+/// blob hands out its pieces in order).
+pub struct ReadQueue {
+    state: Mutex<QueueState>,
+    ready: Condvar,
+    /// Readers that may read guesses at once.
+    guess_readers: usize,
+}
+
+#[derive(Default)]
+struct QueueState {
+    needed: VecDeque<Arc<BlobRead>>,
+    guesses: VecDeque<Arc<BlobRead>>,
+    /// Readers reading a guess's piece now.
+    guessing: usize,
+    closed: bool,
+}
+
+/// A piece's entry as a reader took it.
+pub struct Taken {
+    pub read: Arc<BlobRead>,
+    from_guesses: bool,
+}
+
+impl ReadQueue {
+    pub fn new(guess_readers: usize) -> Self {
+        ReadQueue {
+            state: Mutex::default(),
+            ready: Condvar::new(),
+            guess_readers: guess_readers.max(1),
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, QueueState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues every piece of `read` at its priority.
+    pub fn push(&self, read: &Arc<BlobRead>) {
+        let priority = read.state().priority;
+        let mut q = self.state();
+        let to = match priority {
+            Priority::Needed => &mut q.needed,
+            Priority::Guess => &mut q.guesses,
+        };
+        to.extend(std::iter::repeat_n(read.clone(), read.pieces));
+        drop(q);
+        self.ready.notify_all();
+    }
+
+    /// A guess becomes needed: its pieces not yet started move to the needed queue (behind
+    /// the needed reads already there).
+    pub fn promote(&self, read: &Arc<BlobRead>) {
+        let left = read.promote();
+        let mut q = self.state();
+        q.guesses.retain(|r| !Arc::ptr_eq(r, read));
+        q.needed.extend(std::iter::repeat_n(read.clone(), left));
+        drop(q);
+        self.ready.notify_all();
+    }
+
+    /// Abandons a guess and forgets its queued pieces.
+    pub fn abandon(&self, read: &Arc<BlobRead>) -> Abandoned {
+        let a = read.abandon();
+        self.state().guesses.retain(|r| !Arc::ptr_eq(r, read));
+        a
+    }
+
+    /// The next piece's entry: needed ones first; a guess only while fewer than
+    /// `guess_readers` readers read guesses. None once closed.
+    pub fn pop(&self) -> Option<Taken> {
+        let mut q = self.state();
+        loop {
+            if q.closed {
+                return None;
+            }
+            if let Some(read) = q.needed.pop_front() {
+                return Some(Taken {
+                    read,
+                    from_guesses: false,
+                });
+            }
+            if q.guessing < self.guess_readers {
+                if let Some(read) = q.guesses.pop_front() {
+                    q.guessing += 1;
+                    return Some(Taken {
+                        read,
+                        from_guesses: true,
+                    });
+                }
+            }
+            q = self.ready.wait(q).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// The reader is done with what `pop` gave it.
+    pub fn done(&self, taken: Taken) {
+        if taken.from_guesses {
+            self.state().guessing -= 1;
+            self.ready.notify_all();
+        }
+    }
+
+    /// Wakes every reader to stop.
+    pub fn close(&self) {
+        self.state().closed = true;
+        self.ready.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KIB16: usize = 16 * 1024;
+
+    fn read(key: usize, pieces: usize, priority: Priority) -> Arc<BlobRead> {
+        BlobRead::new(key, 0, key, key, 0, pieces * KIB16, KIB16, priority).unwrap()
+    }
+
+    fn finish(r: &BlobRead, ok: bool) -> Finished {
+        let res = if ok { Ok(()) } else { Err("bad".into()) };
+        r.finish_piece(res, Ok, EngineError::Invalid)
+    }
+
+    #[test]
+    fn needed_pieces_go_first_and_guesses_are_capped() {
+        let q = ReadQueue::new(1);
+        let g = read(1, 2, Priority::Guess);
+        let n = read(2, 2, Priority::Needed);
+        q.push(&g);
+        q.push(&n);
+        let a = q.pop().unwrap();
+        let b = q.pop().unwrap();
+        assert_eq!((a.read.key, b.read.key), (2, 2));
+        let c = q.pop().unwrap();
+        assert_eq!(c.read.key, 1);
+        // One guess reader is busy: the next guess piece waits until it is done.
+        let st = q.state();
+        assert_eq!((st.guessing, st.guesses.len()), (1, 1));
+        drop(st);
+        q.done(c);
+        let d = q.pop().unwrap();
+        assert_eq!(d.read.key, 1);
+        q.done(a);
+        q.done(b);
+        q.done(d);
+    }
+
+    #[test]
+    fn a_blob_is_handed_over_when_its_last_piece_ends() {
+        let r = read(7, 3, Priority::Needed);
+        let pieces: Vec<(usize, u64, usize)> = (0..3)
+            .map(|_| {
+                let (i, off, dst) = r.take_piece().unwrap();
+                dst.fill(i as u8 + 1);
+                (i, off, dst.len())
+            })
+            .collect();
+        assert_eq!(
+            pieces,
+            vec![(0, 0, KIB16), (1, KIB16 as u64, KIB16), (2, 2 * KIB16 as u64, KIB16)]
+        );
+        assert!(r.take_piece().is_none());
+        assert!(matches!(finish(&r, true), Finished::Nothing));
+        assert!(matches!(finish(&r, true), Finished::Nothing));
+        assert!(matches!(finish(&r, true), Finished::Nothing));
+        let (key, buf, _) = r.wait();
+        let buf = buf.unwrap();
+        assert_eq!(key, 7);
+        assert_eq!(buf.as_slice()[0], 1);
+        assert_eq!(buf.as_slice()[2 * KIB16], 3);
+    }
+
+    #[test]
+    fn a_failed_piece_stops_the_rest_and_fails_the_blob() {
+        let r = read(3, 4, Priority::Needed);
+        let _ = r.take_piece().unwrap();
+        let _ = r.take_piece().unwrap();
+        assert!(matches!(finish(&r, false), Finished::Nothing));
+        assert!(r.take_piece().is_none(), "nothing more is read");
+        assert!(matches!(finish(&r, true), Finished::Nothing));
+        assert!(r.wait().1.is_err());
+    }
+
+    #[test]
+    fn an_abandoned_guess_stops_and_a_promoted_one_jumps_the_queue() {
+        let q = ReadQueue::new(4);
+        let never = read(1, 3, Priority::Guess);
+        q.push(&never);
+        assert!(matches!(q.abandon(&never), Abandoned::Cancelled));
+        assert!(never.take_piece().is_none());
+        // Started, then abandoned: the piece out finishes, the blob is incomplete, dropped.
+        let half = read(2, 3, Priority::Guess);
+        let _ = half.take_piece().unwrap();
+        assert!(matches!(half.abandon(), Abandoned::InFlight));
+        assert!(half.take_piece().is_none());
+        assert!(matches!(finish(&half, true), Finished::Nothing));
+        // Abandoned while its last piece was out: whole, so its reader gets it to keep.
+        let late = read(3, 1, Priority::Guess);
+        let _ = late.take_piece().unwrap();
+        assert!(matches!(late.abandon(), Abandoned::InFlight));
+        assert!(matches!(finish(&late, true), Finished::Unneeded((3, Ok(_), _))));
+        // A guess promoted ahead of later guesses.
+        let other = read(4, 1, Priority::Guess);
+        let wanted = read(5, 2, Priority::Guess);
+        q.push(&other);
+        q.push(&wanted);
+        q.promote(&wanted);
+        assert_eq!(q.pop().unwrap().read.key, 5);
+        assert_eq!(q.pop().unwrap().read.key, 5);
+        assert_eq!(q.pop().unwrap().read.key, 4);
+        q.close();
+        assert!(q.pop().is_none());
+    }
+}
