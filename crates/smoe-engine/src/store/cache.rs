@@ -16,6 +16,8 @@ pub struct ExpertCache {
     /// Decayed use count and the step it was last brought up to date, per expert key.
     score: Vec<(f64, u64)>,
     step: u64,
+    /// Buffers evicted or refused by `insert`, for the store to reuse (`take_released`).
+    released: Vec<Arc<AlignedBuf>>,
 }
 
 struct Entry {
@@ -31,6 +33,7 @@ impl ExpertCache {
             entries: HashMap::new(),
             score: vec![(0.0, 0); n_keys],
             step: 0,
+            released: vec![],
         }
     }
 
@@ -72,9 +75,15 @@ impl ExpertCache {
 
     /// Keeps `buf` if it fits the budget, evicting colder unpinned blobs that nobody is using.
     /// Returns whether it was kept.
+    /// What `insert` evicted or refused since the last call: blob-sized buffers to reuse.
+    pub fn take_released(&mut self) -> Vec<Arc<AlignedBuf>> {
+        std::mem::take(&mut self.released)
+    }
+
     pub fn insert(&mut self, key: usize, buf: Arc<AlignedBuf>, pinned: bool) -> bool {
         let size = buf.len() as u64;
         if size > self.budget || self.entries.contains_key(&key) {
+            self.released.push(buf);
             return false;
         }
         while self.used + size > self.budget {
@@ -89,9 +98,13 @@ impl ExpertCache {
                 Some((k, _)) => {
                     let e = self.entries.remove(&k).unwrap();
                     self.used -= e.buf.len() as u64;
+                    self.released.push(e.buf);
                 }
                 // Everything resident is hotter (or in use): do not displace it.
-                None => return false,
+                None => {
+                    self.released.push(buf);
+                    return false;
+                }
             }
         }
         self.used += size;
@@ -125,9 +138,11 @@ mod tests {
         assert!(c.insert(3, blob(), false));
         assert!(c.contains(0) && c.contains(1) && c.contains(3) && !c.contains(2));
         assert_eq!(c.used(), 3 * 16384);
+        assert_eq!(c.take_released().len(), 1, "the evicted buffer, to reuse");
         // A cold newcomer does not displace hotter blobs.
         c.touch(4);
         assert!(!c.insert(4, blob(), false));
+        assert_eq!(c.take_released().len(), 1, "the refused buffer, to reuse");
         // A zero budget keeps nothing.
         let mut z = ExpertCache::new(0, 2);
         assert!(!z.insert(0, blob(), false));

@@ -5,7 +5,7 @@
 
 use super::aligned::AlignedBuf;
 use super::cache::ExpertCache;
-use super::read_queue::{Abandoned, BlobRead, Finished, Priority, ReadQueue};
+use super::read_queue::{Abandoned, BlobRead, BufPool, Finished, Priority, ReadQueue};
 use super::reader::{BlobReader, FaultHook};
 use super::stats::StoreStats;
 use crate::error::EngineError;
@@ -17,12 +17,13 @@ use std::time::Instant;
 pub struct StreamedStore {
     vault: Vault,
     pub(super) n_experts: usize,
-    stride: usize,
     /// Bytes per piece of a blob read (several readers share one blob).
     piece: usize,
     pub(super) cache: Mutex<ExpertCache>,
     pub(super) stats: Mutex<StoreStats>,
     queue: Arc<ReadQueue>,
+    /// Read buffers for reuse (evicted entries, dropped guesses, failed reads).
+    pool: Arc<BufPool>,
     reader: Arc<BlobReader>,
     /// Wall time during which at least one read was in flight, for read GB/s.
     busy: Mutex<(f64, usize, Option<Instant>)>,
@@ -62,11 +63,12 @@ impl StreamedStore {
         let store = Arc::new(StreamedStore {
             vault: vault.clone(),
             n_experts: cfg.num_experts,
-            stride: x.blob_stride as usize,
             piece: piece.max(align).next_multiple_of(align),
             cache: Mutex::new(ExpertCache::new(budget, cfg.num_layers * cfg.num_experts)),
             stats: Mutex::new(stats),
             queue: Arc::new(ReadQueue::new(guess_readers(threads))),
+            // Enough for a layer's misses and guesses between two evictions.
+            pool: Arc::new(BufPool::new(x.blob_stride as usize, 32)),
             reader: Arc::new(reader),
             busy: Mutex::new((0.0, 0, None)),
             prefetched: Mutex::new(HashMap::new()),
@@ -92,17 +94,8 @@ impl StreamedStore {
     ) -> Result<Arc<BlobRead>, EngineError> {
         let entry = &self.vault.expert_section().unwrap().blobs[blob];
         let key = layer * self.n_experts + expert;
-        BlobRead::new(
-            key,
-            layer,
-            expert,
-            blob,
-            entry.offset,
-            self.stride,
-            self.piece,
-            priority,
-        )
-        .ok_or_else(|| EngineError::ExpertRead {
+        let at = (key, layer, expert, blob);
+        BlobRead::new(at, entry.offset, self.piece, priority, &self.pool).ok_or_else(|| EngineError::ExpertRead {
             layer,
             expert,
             reason: "out of memory for the read buffer".into(),
@@ -152,7 +145,7 @@ impl StreamedStore {
         let read = self.new_read(layer, expert, blob, Priority::Needed)?;
         self.queue.push(&read);
         let buf = Arc::new(read.wait().1?);
-        Ok(self.cache.lock().unwrap().insert(key, buf, true))
+        Ok(self.insert(key, buf, true))
     }
 
     /// Starts reading the experts a later layer will probably need (not cached, not already
@@ -265,7 +258,7 @@ impl StreamedStore {
                     let t = Instant::now();
                     f(key % self.n_experts, buf.as_slice());
                     compute += t.elapsed().as_secs_f64();
-                    self.cache.lock().unwrap().insert(key, buf, false);
+                    self.insert(key, buf, false);
                 }
                 Err(e) => {
                     first_err.get_or_insert(e);
@@ -309,8 +302,20 @@ impl StreamedStore {
     /// the cache has room; a failed one is dropped (nothing from a failed read is cached).
     fn keep_unneeded(&self, key: usize, r: Result<AlignedBuf, EngineError>) {
         if let Ok(buf) = r {
-            self.cache.lock().unwrap().insert(key, Arc::new(buf), false);
+            self.insert(key, Arc::new(buf), false);
         }
+    }
+
+    /// Caches a blob (false when the cache refused it); what it evicts or refuses is reused.
+    fn insert(&self, key: usize, buf: Arc<AlignedBuf>, pinned: bool) -> bool {
+        let (kept, released) = {
+            let mut cache = self.cache.lock().unwrap();
+            (cache.insert(key, buf, pinned), cache.take_released())
+        };
+        for buf in released {
+            self.pool.give_shared(buf);
+        }
+        kept
     }
 
     fn busy(&self, start: bool) {
