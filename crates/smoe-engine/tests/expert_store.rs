@@ -211,7 +211,7 @@ fn wrong_lookahead_guesses_are_dropped_unread() {
     experts.prefetch(0, &[0, 1, 2, 3]);
     let mut got = vec![];
     experts
-        .for_each_blob(0, &[0], &mut |e, bytes| got.push((e, bytes.len())))
+        .for_each_blob(0, &[0], None, &mut |e, bytes| got.push((e, bytes.len())))
         .unwrap();
     assert_eq!(got.len(), 1);
     assert_eq!(got[0].0, 0);
@@ -254,13 +254,13 @@ fn needed_reads_overtake_queued_guesses() {
     std::thread::sleep(std::time::Duration::from_millis(20));
     let mut got = vec![];
     experts
-        .for_each_blob(0, &[3, 4], &mut |e, _| got.push(e))
+        .for_each_blob(0, &[3, 4], None, &mut |e, _| got.push(e))
         .unwrap();
     got.sort_unstable();
     assert_eq!(got, vec![3, 4]);
     // The guesses are still wanted: layer 1 takes them.
     experts
-        .for_each_blob(1, &[0, 1, 2], &mut |_, _| {})
+        .for_each_blob(1, &[0, 1, 2], None, &mut |_, _| {})
         .unwrap();
     assert_eq!(
         *reads.lock().unwrap(),
@@ -269,4 +269,58 @@ fn needed_reads_overtake_queued_guesses() {
     let st = experts.stats().unwrap();
     assert_eq!(st.total.prefetched, 3, "{st:?}");
     assert_eq!(st.total.prefetch_wasted + st.total.prefetch_cancelled, 0);
+}
+
+/// With a piece sink (what the GPU backend copies into VRAM slots from the reader threads),
+/// every piece of each blob read afresh reaches the sink exactly once and together they are
+/// the blob; `f` gets only the hits and the lookahead reads; the blobs are cached as usual.
+#[test]
+fn a_piece_sink_gets_every_piece_of_the_blobs_read_afresh() {
+    use smoe_engine::store::{Experts, PieceSink};
+    use std::collections::BTreeMap;
+    use std::sync::Mutex;
+    let v = TempVault::new("tiny-tied", DType::Q4);
+    let opts = StoreOptions {
+        budget: CacheBudget::Fraction(1.0),
+        profile: false,
+        read_threads: 3,
+        read_piece: 16 << 10,
+        fault: None,
+    };
+    let vault = smoe_vault::Vault::open(v.path()).unwrap();
+    let experts = Experts::open(&vault, &opts).unwrap();
+    let stride = vault.expert_section().unwrap().blob_stride as usize;
+    assert!(stride > 16 << 10, "blobs of several pieces");
+    let pieces: Arc<Mutex<BTreeMap<(usize, usize), Vec<u8>>>> = Arc::default();
+    let into = pieces.clone();
+    let sink: PieceSink = Arc::new(move |e, at, bytes| {
+        let old = into.lock().unwrap().insert((e, at), bytes.to_vec());
+        assert!(old.is_none(), "piece {at} of expert {e} twice");
+    });
+    // Expert 2 is cached first, expert 5 read ahead: only 0 and 7 are read afresh.
+    experts.for_each_blob(1, &[2], None, &mut |_, _| {}).unwrap();
+    experts.prefetch(1, &[5]);
+    let mut whole = vec![];
+    experts
+        .for_each_blob(1, &[0, 2, 5, 7], Some(&sink), &mut |e, _| whole.push(e))
+        .unwrap();
+    whole.sort_unstable();
+    assert_eq!(whole, vec![2, 5]);
+    let pieces = pieces.lock().unwrap();
+    for e in [0, 7] {
+        let mut blob = vec![];
+        for ((x, at), bytes) in pieces.iter() {
+            if *x == e {
+                assert_eq!(*at, blob.len(), "pieces in order, none missing");
+                blob.extend_from_slice(bytes);
+            }
+        }
+        assert_eq!(blob.len(), stride);
+        let mut cached = vec![];
+        experts
+            .for_each_blob(1, &[e], None, &mut |_, b| cached = b.to_vec())
+            .unwrap();
+        assert_eq!(blob, cached, "expert {e}: the sink saw the blob that was cached");
+    }
+    assert_eq!(pieces.keys().filter(|(e, _)| *e != 0 && *e != 7).count(), 0);
 }

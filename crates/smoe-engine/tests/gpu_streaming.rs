@@ -7,7 +7,7 @@
 //! `SMOE_REQUIRE_GPU=1`, which turns that into a failure.
 
 use smoe_engine::engine::{Backend, EngineOptions};
-use smoe_engine::store::{CacheBudget, StoreOptions};
+use smoe_engine::store::{CacheBudget, StoreOptions, DEFAULT_READ_PIECE};
 use smoe_engine::{Engine, Model};
 use smoe_vault::DType;
 use std::path::Path;
@@ -16,11 +16,15 @@ mod common;
 use common::{greedy, have_gpu, TempVault};
 
 fn open(path: &Path, budget: CacheBudget) -> Engine {
+    open_with(path, budget, DEFAULT_READ_PIECE)
+}
+
+fn open_with(path: &Path, budget: CacheBudget, read_piece: usize) -> Engine {
     let store = StoreOptions {
         budget,
         profile: false,
         read_threads: 4,
-        read_piece: smoe_engine::store::DEFAULT_READ_PIECE,
+        read_piece,
         fault: None,
     };
     let e = Engine::open(
@@ -50,13 +54,16 @@ fn gpu_tokens_do_not_depend_on_the_expert_cache() {
         let want_tokens = greedy(&resident, &prompt, 24);
         let want_lp = resident.logprobs(&prompt).unwrap().logprobs;
         drop(resident);
-        for budget in [
-            CacheBudget::Bytes(0),
-            CacheBudget::Fraction(0.25),
-            CacheBudget::Fraction(1.0),
+        // 16 KiB pieces: the reader threads copy each blob into its VRAM slot piece by piece.
+        for (budget, piece) in [
+            (CacheBudget::Bytes(0), 16 << 10),
+            (CacheBudget::Fraction(0.25), DEFAULT_READ_PIECE),
+            (CacheBudget::Fraction(1.0), 16 << 10),
         ] {
-            let e = open(&v.0, budget);
+            let e = open_with(&v.0, budget, piece);
             assert!(e.model.experts().is_streaming(), "{name} {budget:?}");
+            let stride = e.vault.expert_section().unwrap().blob_stride as usize;
+            assert!(piece >= DEFAULT_READ_PIECE || stride > piece, "{name}: one piece");
             assert_eq!(greedy(&e, &prompt, 24), want_tokens, "{name} {budget:?}");
             let lp = e.logprobs(&prompt).unwrap().logprobs;
             assert_eq!(lp.len(), want_lp.len());
@@ -126,7 +133,7 @@ fn gpu_streaming_faults_fail_the_request_and_nothing_stays_cached() {
         budget: CacheBudget::Fraction(0.25),
         profile: false,
         read_threads: 2,
-        read_piece: smoe_engine::store::DEFAULT_READ_PIECE,
+        read_piece: DEFAULT_READ_PIECE,
         fault: Some(fault),
     };
     let opts = EngineOptions {

@@ -24,7 +24,7 @@ use crate::gpu::{
 };
 use crate::kv_cache::KvCache;
 use crate::rope::RopeTable;
-use crate::store::{CacheBudget, Experts, StoreOptions};
+use crate::store::{CacheBudget, Experts, PieceSink, StoreOptions};
 use smoe_compute::gpu::{wgpu, BufRef, EmbedGather, GpuContext, MatrixUnits, Timestamps};
 use smoe_vault::{ModelConfig, TensorData, Vault};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -146,7 +146,9 @@ pub struct SlotStats {
     pub gpu_wait_s: f64,
     /// Filling slots: reads waited for, plus the uploads below.
     pub fill_s: f64,
-    /// Copying blobs into the staging memory of `queue.write_buffer`.
+    /// Copying blobs into the staging memory of `queue.write_buffer` on the forward pass's
+    /// thread (host-cache hits and lookahead reads; the pieces of blobs read at the stop are
+    /// copied by the reader threads as they arrive, overlapping the reads).
     pub upload_s: f64,
     /// Forward passes in all (the rest is recording, submitting and the last wait).
     pub pass_s: f64,
@@ -800,7 +802,28 @@ impl GpuDecoder {
             .fetch_add((distinct.len() - misses.len()) as u64, Ordering::Relaxed);
         st.misses.fetch_add(misses.len() as u64, Ordering::Relaxed);
         let q = &self.ctx.queue;
-        let read = self.experts.for_each_blob(l, &misses, &mut |e, bytes| {
+        // Blobs read from disk now reach their slots piece by piece from the reader threads,
+        // each piece as soon as it is read; hits in the host cache and lookahead reads are
+        // copied here.
+        let sink: Option<PieceSink> = (!misses.is_empty()).then(|| {
+            let to: Vec<(usize, u64)> = misses
+                .iter()
+                .map(|&e| (e, slot_of[e].expect("assigned above") as u64 * stride))
+                .collect();
+            let (q, buf) = (q.clone(), buf.clone());
+            Arc::new(move |e: usize, at: usize, bytes: &[u8]| {
+                let Some(&(_, base)) = to.iter().find(|(x, _)| *x == e) else {
+                    return;
+                };
+                // The slot may be shorter than the blob's 16 KiB-padded stride.
+                let end = (at + bytes.len()).min(stride as usize);
+                if end > at {
+                    let len = (end - at) & !3;
+                    q.write_buffer(&buf, base + at as u64, &bytes[..len]);
+                }
+            }) as PieceSink
+        });
+        let read = self.experts.for_each_blob(l, &misses, sink.as_ref(), &mut |e, bytes| {
             let s = slot_of[e].expect("assigned above") as u64;
             let len = bytes.len().min(stride as usize) & !3;
             let t = Instant::now();

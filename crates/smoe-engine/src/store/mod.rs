@@ -15,6 +15,7 @@ use crate::error::EngineError;
 pub use crate::experts::Expert;
 use crate::experts::ExpertStore;
 use profile::Profile;
+pub use read_queue::PieceSink;
 pub use reader::FaultHook;
 use smoe_vault::Vault;
 pub use stats::StoreStats;
@@ -210,7 +211,7 @@ impl Experts {
     ) -> Result<(), EngineError> {
         self.note_uses(layer, experts);
         let parts = self.mapped.parts();
-        self.for_each_blob(layer, experts, &mut |e, bytes| {
+        self.for_each_blob(layer, experts, None, &mut |e, bytes| {
             f(e, Expert::from_blob(parts, bytes))
         })
     }
@@ -231,10 +232,13 @@ impl Experts {
     /// Calls `f(expert, blob)` with each expert's raw blob bytes (any order), without counting
     /// uses (see `note_uses`): the GPU backend copies them into its VRAM slots. Streamed blobs
     /// are `blob_stride` long (O_DIRECT reads into aligned buffers); mapped ones are the blob.
+    /// Streaming, a `sink` gets the blobs read from disk now piece by piece, on the reader
+    /// threads, instead of `f` (see `StreamedStore::for_each_blob`).
     pub fn for_each_blob(
         &self,
         layer: usize,
         experts: &[usize],
+        sink: Option<&PieceSink>,
         f: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<(), EngineError> {
         match &self.source {
@@ -244,7 +248,9 @@ impl Experts {
                 }
                 Ok(())
             }
-            Source::Streamed(s) => s.for_each_blob(layer, &self.with_blobs(layer, experts), f),
+            Source::Streamed(s) => {
+                s.for_each_blob(layer, &self.with_blobs(layer, experts), sink, f)
+            }
         }
     }
 

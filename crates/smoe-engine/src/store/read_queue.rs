@@ -13,6 +13,12 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
+/// Where the pieces of a layer's missed blobs go as soon as each is read, on the reader threads,
+/// besides into the host cache: `(expert, offset in the blob, bytes)`. The GPU backend copies
+/// them into the expert's VRAM slot there, so the copies overlap the reads of other pieces
+/// instead of following the last one.
+pub type PieceSink = Arc<dyn Fn(usize, usize, &[u8]) + Send + Sync>;
+
 /// A finished read: the expert key, the verified blob (or why not), seconds from its first
 /// piece's start to its last piece's end.
 pub type ReadResult = (usize, Result<AlignedBuf, EngineError>, f64);
@@ -34,6 +40,8 @@ pub struct BufPool {
     len: usize,
     free: Mutex<Vec<AlignedBuf>>,
     keep: usize,
+    /// A reader is allocating spares (`top_up`): one at a time.
+    filling: std::sync::atomic::AtomicBool,
 }
 
 impl BufPool {
@@ -43,7 +51,25 @@ impl BufPool {
             len,
             free: Mutex::default(),
             keep,
+            filling: Default::default(),
         }
+    }
+
+    /// An idle reader's chore: allocates one spare buffer (touching its pages) while fewer than
+    /// half of `keep` wait, so that reads find their memory ready while the cache grows (no
+    /// evictions yet to recycle). False when there was nothing to do.
+    pub fn top_up(&self) -> bool {
+        use std::sync::atomic::Ordering;
+        if self.free().len() >= self.keep / 2 || self.filling.swap(true, Ordering::Acquire) {
+            return false;
+        }
+        let buf = AlignedBuf::new(self.len);
+        let made = buf.is_some();
+        if let Some(buf) = buf {
+            self.give(buf);
+        }
+        self.filling.store(false, Ordering::Release);
+        made
     }
 
     fn free(&self) -> std::sync::MutexGuard<'_, Vec<AlignedBuf>> {
@@ -86,12 +112,12 @@ pub struct BlobRead {
     len: usize,
     piece: usize,
     pieces: usize,
-    /// Where the blob lands; piece `i` is written only by the reader that took it.
-    dst: *mut u8,
     state: Mutex<ReadState>,
     done: Condvar,
     /// Where the buffer goes when the read is dropped without handing it on.
     pool: Arc<BufPool>,
+    /// Gets each piece as it is read (`PieceSink`).
+    pub sink: Option<PieceSink>,
 }
 
 impl Drop for BlobRead {
@@ -103,14 +129,16 @@ impl Drop for BlobRead {
     }
 }
 
-// SAFETY: `dst` points into the `AlignedBuf` held by `state`, which is freed only once no
-// reader holds a piece (see `ReadState::buf`); each piece's range is handed to one reader.
+// SAFETY: the pieces handed out point into the `AlignedBuf` held by `state`, which is neither
+// moved out nor freed while a reader holds a piece (see `ReadState::buf`); each piece's range
+// is handed to one reader.
 unsafe impl Send for BlobRead {}
 unsafe impl Sync for BlobRead {}
 
 struct ReadState {
-    /// Handed on only when `unfinished` is 0 (no reader is writing into it) and the blob is
-    /// whole; otherwise it goes back to the pool with the read.
+    /// Taken from the pool by the first reader (off the layer's thread: a fresh buffer costs
+    /// page faults). Handed on only when `unfinished` is 0 (no reader is writing into it) and
+    /// the blob is whole; otherwise it goes back to the pool with the read.
     buf: Option<AlignedBuf>,
     /// The next piece to hand out (`pieces`: none left).
     next: usize,
@@ -147,18 +175,17 @@ pub enum Finished {
 
 impl BlobRead {
     /// A read of the pool's buffer length (a multiple of 16 KiB) at `offset`, in pieces of
-    /// `piece` bytes (a multiple of 16 KiB). None when out of memory.
+    /// `piece` bytes (a multiple of 16 KiB).
     pub fn new(
         (key, layer, expert, blob): (usize, usize, usize, usize),
         offset: u64,
         piece: usize,
-        priority: Priority,
+        (priority, sink): (Priority, Option<PieceSink>),
         pool: &Arc<BufPool>,
-    ) -> Option<Arc<Self>> {
-        let mut buf = pool.take()?;
-        let len = buf.len();
+    ) -> Arc<Self> {
+        let len = pool.len;
         let pieces = len.div_ceil(piece).max(1);
-        Some(Arc::new(BlobRead {
+        Arc::new(BlobRead {
             key,
             layer,
             expert,
@@ -167,9 +194,8 @@ impl BlobRead {
             len,
             piece,
             pieces,
-            dst: buf.as_mut_ptr(),
             state: Mutex::new(ReadState {
-                buf: Some(buf),
+                buf: None,
                 next: 0,
                 unfinished: pieces,
                 read: 0,
@@ -181,7 +207,8 @@ impl BlobRead {
             }),
             done: Condvar::new(),
             pool: pool.clone(),
-        }))
+            sink,
+        })
     }
 
     pub fn pieces(&self) -> usize {
@@ -192,9 +219,11 @@ impl BlobRead {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Hands the next unread piece to a reader: its index, file offset and destination. None
-    /// when no piece is left (all taken, the read failed, or the guess was dropped).
-    pub fn take_piece(&self) -> Option<(usize, u64, &mut [u8])> {
+    /// Hands the next unread piece to a reader: its index, file offset and destination, or
+    /// why it cannot be read (no memory for the buffer: finish it with that error). None when
+    /// no piece is left (all taken, the read failed, or the guess was dropped).
+    #[allow(clippy::type_complexity)]
+    pub fn take_piece(&self) -> Option<Result<(usize, u64, &mut [u8]), String>> {
         let mut s = self.state();
         if s.next == self.pieces {
             return None;
@@ -202,12 +231,18 @@ impl BlobRead {
         let i = s.next;
         s.next += 1;
         s.started.get_or_insert_with(Instant::now);
+        if s.buf.is_none() {
+            s.buf = self.pool.take();
+        }
+        let Some(buf) = s.buf.as_mut() else {
+            return Some(Err("out of memory for the read buffer".into()));
+        };
         let start = i * self.piece;
         let len = self.piece.min(self.len - start);
         // SAFETY: piece i's range is in bounds, handed out once (under the lock), and the
-        // buffer lives until this piece is finished (`unfinished` counts it).
-        let dst = unsafe { std::slice::from_raw_parts_mut(self.dst.add(start), len) };
-        Some((i, self.offset + start as u64, dst))
+        // buffer stays where it is until this piece is finished (`unfinished` counts it).
+        let dst = unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr().add(start), len) };
+        Some(Ok((i, self.offset + start as u64, dst)))
     }
 
     /// A reader is done with a piece. When it was the last one out, the blob is verified by
@@ -217,7 +252,6 @@ impl BlobRead {
         &self,
         ok: Result<(), String>,
         verify: impl FnOnce(AlignedBuf) -> Result<AlignedBuf, EngineError>,
-        fail: impl FnOnce(String) -> EngineError,
     ) -> Finished {
         let (buf, failed, started) = {
             let mut s = self.state();
@@ -244,7 +278,11 @@ impl BlobRead {
         };
         let secs = started.map_or(0.0, |t| t.elapsed().as_secs_f64());
         let result = match (failed, buf) {
-            (Some(e), _) => Err(fail(e)),
+            (Some(reason), _) => Err(EngineError::ExpertRead {
+                layer: self.layer,
+                expert: self.expert,
+                reason,
+            }),
             (None, Some(buf)) => verify(buf),
             // A dropped guess, incomplete: nothing to keep.
             (None, None) => return Finished::Nothing,
@@ -363,30 +401,45 @@ impl ReadQueue {
     }
 
     /// The next piece's entry: needed ones first; a guess only while fewer than
-    /// `guess_readers` readers read guesses. None once closed.
+    /// `guess_readers` readers read guesses. Waits for one; None once closed.
     pub fn pop(&self) -> Option<Taken> {
         let mut q = self.state();
         loop {
             if q.closed {
                 return None;
             }
-            if let Some(read) = q.needed.pop_front() {
-                return Some(Taken {
-                    read,
-                    from_guesses: false,
-                });
-            }
-            if q.guessing < self.guess_readers {
-                if let Some(read) = q.guesses.pop_front() {
-                    q.guessing += 1;
-                    return Some(Taken {
-                        read,
-                        from_guesses: true,
-                    });
-                }
+            if let Some(taken) = self.next(&mut q) {
+                return Some(taken);
             }
             q = self.ready.wait(q).unwrap_or_else(|e| e.into_inner());
         }
+    }
+
+    /// As `pop`, without waiting: None when there is nothing to read now (or closed).
+    pub fn try_pop(&self) -> Option<Taken> {
+        let mut q = self.state();
+        match q.closed {
+            true => None,
+            false => self.next(&mut q),
+        }
+    }
+
+    fn next(&self, q: &mut QueueState) -> Option<Taken> {
+        if let Some(read) = q.needed.pop_front() {
+            return Some(Taken {
+                read,
+                from_guesses: false,
+            });
+        }
+        if q.guessing < self.guess_readers {
+            let read = q.guesses.pop_front()?;
+            q.guessing += 1;
+            return Some(Taken {
+                read,
+                from_guesses: true,
+            });
+        }
+        None
     }
 
     /// The reader is done with what `pop` gave it.
@@ -411,7 +464,7 @@ mod tests {
     const KIB16: usize = 16 * 1024;
 
     fn read_in(pool: &Arc<BufPool>, key: usize, priority: Priority) -> Arc<BlobRead> {
-        BlobRead::new((key, 0, key, key), 0, KIB16, priority, pool).unwrap()
+        BlobRead::new((key, 0, key, key), 0, KIB16, (priority, None), pool)
     }
 
     fn read(key: usize, pieces: usize, priority: Priority) -> Arc<BlobRead> {
@@ -420,7 +473,7 @@ mod tests {
 
     fn finish(r: &BlobRead, ok: bool) -> Finished {
         let res = if ok { Ok(()) } else { Err("bad".into()) };
-        r.finish_piece(res, Ok, EngineError::Invalid)
+        r.finish_piece(res, Ok)
     }
 
     #[test]
@@ -452,7 +505,7 @@ mod tests {
         let r = read(7, 3, Priority::Needed);
         let pieces: Vec<(usize, u64, usize)> = (0..3)
             .map(|_| {
-                let (i, off, dst) = r.take_piece().unwrap();
+                let (i, off, dst) = r.take_piece().unwrap().unwrap();
                 dst.fill(i as u8 + 1);
                 (i, off, dst.len())
             })
@@ -517,13 +570,15 @@ mod tests {
     #[test]
     fn buffers_of_reads_not_handed_on_go_back_to_the_pool() {
         let pool = Arc::new(BufPool::new(2 * KIB16, 2));
+        assert!(pool.top_up(), "an idle reader allocates a spare");
+        assert!(!pool.top_up(), "up to half of `keep`");
         let r = read_in(&pool, 1, Priority::Guess);
         assert!(matches!(r.abandon(), Abandoned::Cancelled));
         drop(r);
-        assert_eq!(pool.spare(), 1, "a cancelled guess");
+        assert_eq!(pool.spare(), 1, "a cancelled guess took no buffer");
         let r = read_in(&pool, 2, Priority::Needed);
-        assert_eq!(pool.spare(), 0, "reused");
         let _ = r.take_piece().unwrap();
+        assert_eq!(pool.spare(), 0, "reused by the first piece");
         assert!(matches!(finish(&r, false), Finished::Nothing));
         assert!(r.wait().1.is_err());
         drop(r);

@@ -5,7 +5,7 @@
 
 use super::aligned::AlignedBuf;
 use super::cache::ExpertCache;
-use super::read_queue::{Abandoned, BlobRead, BufPool, Finished, Priority, ReadQueue};
+use super::read_queue::{Abandoned, BlobRead, BufPool, Finished, PieceSink, Priority, ReadQueue};
 use super::reader::{BlobReader, FaultHook};
 use super::stats::StoreStats;
 use crate::error::EngineError;
@@ -87,50 +87,47 @@ impl StreamedStore {
     /// A read of blob `blob` (expert `expert` of `layer`), not yet queued.
     fn new_read(
         &self,
-        layer: usize,
-        expert: usize,
-        blob: usize,
-        priority: Priority,
-    ) -> Result<Arc<BlobRead>, EngineError> {
+        (layer, expert, blob): (usize, usize, usize),
+        p: Priority,
+        sink: Option<PieceSink>,
+    ) -> Arc<BlobRead> {
         let entry = &self.vault.expert_section().unwrap().blobs[blob];
         let key = layer * self.n_experts + expert;
         let at = (key, layer, expert, blob);
-        BlobRead::new(at, entry.offset, self.piece, priority, &self.pool).ok_or_else(|| EngineError::ExpertRead {
-            layer,
-            expert,
-            reason: "out of memory for the read buffer".into(),
-        })
+        BlobRead::new(at, entry.offset, self.piece, (p, sink), &self.pool)
     }
 
     /// Reads one piece of `read` (a reader thread's job) and, after its last piece, verifies
     /// the blob and hands it on.
     fn read_piece(&self, read: &BlobRead) {
-        let Some((_, offset, dst)) = read.take_piece() else {
+        let Some(piece) = read.take_piece() else {
             return;
         };
-        let len = dst.len() as u64;
-        self.busy(true);
-        let ok = self.reader.read(read.layer, read.expert, offset, dst);
-        self.busy(false);
-        if ok.is_ok() {
-            self.stats.lock().unwrap().per_layer[read.layer].bytes_read += len;
-        }
-        let (layer, expert) = (read.layer, read.expert);
-        let fail = |reason: String| EngineError::ExpertRead {
-            layer,
-            expert,
-            reason,
-        };
+        let ok = piece.and_then(|(_, offset, dst)| {
+            let len = dst.len() as u64;
+            self.busy(true);
+            let ok = self.reader.read(read.layer, read.expert, offset, dst);
+            self.busy(false);
+            if ok.is_ok() {
+                self.stats.lock().unwrap().per_layer[read.layer].bytes_read += len;
+                if let Some(sink) = &read.sink {
+                    sink(read.expert, (offset - read.offset) as usize, dst);
+                }
+            }
+            ok.map_err(|e| e.to_string())
+        });
         let verify = |buf: AlignedBuf| {
             let x = self.vault.expert_section().unwrap();
             self.vault
                 .verify_expert(&x.blobs[read.blob], &buf.as_slice()[..x.used_bytes as usize])
                 .map(|()| buf)
-                .map_err(|e| fail(e.to_string()))
+                .map_err(|e| EngineError::ExpertRead {
+                    layer: read.layer,
+                    expert: read.expert,
+                    reason: e.to_string(),
+                })
         };
-        if let Finished::Unneeded((key, r, _)) =
-            read.finish_piece(ok.map_err(|e| e.to_string()), verify, fail)
-        {
+        if let Finished::Unneeded((key, r, _)) = read.finish_piece(ok, verify) {
             // Abandoned while it was read: the layer has moved on.
             self.keep_unneeded(key, r);
         }
@@ -142,7 +139,7 @@ impl StreamedStore {
         if self.cache.lock().unwrap().contains(key) {
             return Ok(true);
         }
-        let read = self.new_read(layer, expert, blob, Priority::Needed)?;
+        let read = self.new_read((layer, expert, blob), Priority::Needed, None);
         self.queue.push(&read);
         let buf = Arc::new(read.wait().1?);
         Ok(self.insert(key, buf, true))
@@ -158,11 +155,9 @@ impl StreamedStore {
             if cache.contains(key) || pre.contains_key(&key) {
                 continue;
             }
-            // Out of memory for a guess: simply no guess.
-            if let Ok(read) = self.new_read(layer, e, blob, Priority::Guess) {
-                self.queue.push(&read);
-                pre.insert(key, read);
-            }
+            let read = self.new_read((layer, e, blob), Priority::Guess, None);
+            self.queue.push(&read);
+            pre.insert(key, read);
         }
     }
 
@@ -174,12 +169,15 @@ impl StreamedStore {
 
     /// Hands `f` each of `experts` (with their blob indices) of `layer` as its whole blob slot
     /// (`blob_stride` bytes, verified): cache hits first, then misses in the order they were
-    /// queued (lookahead reads first: they started earlier). The first failed read is returned
-    /// after the others have drained; nothing from a failed read is cached.
+    /// queued (lookahead reads first: they started earlier). With a `sink`, the blobs read
+    /// afresh go to it piece by piece instead of to `f` (lookahead reads and hits still go to
+    /// `f`), and are verified before this returns. The first failed read is returned after the
+    /// others have drained; nothing from a failed read is cached.
     pub fn for_each_blob(
         &self,
         layer: usize,
         experts: &[(usize, usize)],
+        sink: Option<&PieceSink>,
         f: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<(), EngineError> {
         let mut hits = vec![];
@@ -224,17 +222,10 @@ impl StreamedStore {
         }
         let n_guessed = guessed.len();
         let mut waits = guessed;
-        let mut first_err = None;
         for &(e, blob) in &misses {
-            match self.new_read(layer, e, blob, Priority::Needed) {
-                Ok(read) => {
-                    self.queue.push(&read);
-                    waits.push(read);
-                }
-                Err(err) => {
-                    first_err.get_or_insert(err);
-                }
-            }
+            let read = self.new_read((layer, e, blob), Priority::Needed, sink.cloned());
+            self.queue.push(&read);
+            waits.push(read);
         }
         let deferred = self.deferred.lock().unwrap().take();
         if let Some((l, ex)) = deferred {
@@ -246,7 +237,7 @@ impl StreamedStore {
             f(*e, buf.as_slice());
             compute += t.elapsed().as_secs_f64();
         }
-        let (mut wait, mut read_secs) = (0.0, 0.0);
+        let (mut wait, mut read_secs, mut first_err) = (0.0, 0.0, None);
         for read in &waits {
             let t = Instant::now();
             let (key, result, secs) = read.wait();
@@ -255,9 +246,11 @@ impl StreamedStore {
             match result {
                 Ok(buf) => {
                     let buf = Arc::new(buf);
-                    let t = Instant::now();
-                    f(key % self.n_experts, buf.as_slice());
-                    compute += t.elapsed().as_secs_f64();
+                    if read.sink.is_none() {
+                        let t = Instant::now();
+                        f(key % self.n_experts, buf.as_slice());
+                        compute += t.elapsed().as_secs_f64();
+                    }
                     self.insert(key, buf, false);
                 }
                 Err(e) => {
@@ -336,9 +329,25 @@ impl StreamedStore {
     }
 }
 
-/// A reader thread: reads pieces until the store is dropped.
+/// A reader thread: reads pieces until the store is dropped; with nothing to read, allocates
+/// spare read buffers.
 fn worker(queue: Arc<ReadQueue>, store: std::sync::Weak<StreamedStore>) {
-    while let Some(taken) = queue.pop() {
+    loop {
+        let taken = match queue.try_pop() {
+            Some(taken) => taken,
+            None => {
+                match store.upgrade() {
+                    Some(store) if store.pool.top_up() => continue,
+                    Some(_) => {}
+                    None => return,
+                }
+                // (Not holding the store while waiting: it may be dropped meanwhile.)
+                match queue.pop() {
+                    Some(taken) => taken,
+                    None => return,
+                }
+            }
+        };
         let Some(store) = store.upgrade() else { return };
         store.read_piece(&taken.read);
         drop(store);
