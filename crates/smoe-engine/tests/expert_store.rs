@@ -184,19 +184,15 @@ fn the_profile_is_saved_and_preloads_the_next_start() {
     assert_eq!(e.model.experts().preload(&mut |_, _| {}).unwrap(), 0);
 }
 
-/// A lookahead guess the layer turns out not to need is dropped unread when its read has not
-/// started: one reader thread held 300 ms by the first read, so the other three guesses are still
-/// queued when the layer asks for expert 0 only.
-#[test]
-fn wrong_lookahead_guesses_are_dropped_unread() {
-    use smoe_engine::store::Experts;
-    use std::sync::Mutex;
-    let v = TempVault::new("tiny-tied", DType::Q4);
-    let reads = Arc::new(Mutex::new(vec![]));
+type ReadLog = Arc<std::sync::Mutex<Vec<(usize, usize)>>>;
+
+/// A store with one reader thread that logs each read (layer, expert) and takes `ms` for it.
+fn slow_logged_store(v: &TempVault, ms: u64) -> (smoe_engine::store::Experts, ReadLog) {
+    let reads = ReadLog::default();
     let log = reads.clone();
     let fault: smoe_engine::store::FaultHook = Arc::new(move |layer, expert| {
         log.lock().unwrap().push((layer, expert));
-        std::thread::sleep(std::time::Duration::from_millis(300));
+        std::thread::sleep(std::time::Duration::from_millis(ms));
         None
     });
     let opts = StoreOptions {
@@ -207,7 +203,17 @@ fn wrong_lookahead_guesses_are_dropped_unread() {
         fault: Some(fault),
     };
     let vault = smoe_vault::Vault::open(v.path()).unwrap();
-    let experts = Experts::open(&vault, &opts).unwrap();
+    let experts = smoe_engine::store::Experts::open(&vault, &opts).unwrap();
+    (experts, reads)
+}
+
+/// A lookahead guess the layer turns out not to need is dropped unread when its read has not
+/// started: one reader thread held 300 ms by the first read, so the other three guesses are still
+/// queued when the layer asks for expert 0 only.
+#[test]
+fn wrong_lookahead_guesses_are_dropped_unread() {
+    let v = TempVault::new("tiny-tied", DType::Q4);
+    let (experts, reads) = slow_logged_store(&v, 300);
     experts.prefetch(0, &[0, 1, 2, 3]);
     let mut got = vec![];
     experts
@@ -226,32 +232,19 @@ fn wrong_lookahead_guesses_are_dropped_unread() {
 }
 
 /// Needed reads go before lookahead guesses: with one reader (which may read one guess at a
-/// time) and every piece held 60 ms, the layer's two misses are read right after the guess
+/// time) and every piece held 250 ms, the layer's two misses are read right after the guess
 /// piece already started, ahead of the two guesses still queued, which follow.
 #[test]
 fn needed_reads_overtake_queued_guesses() {
-    use smoe_engine::store::Experts;
-    use std::sync::Mutex;
     let v = TempVault::new("tiny-tied", DType::Q4);
-    let reads = Arc::new(Mutex::new(vec![]));
-    let log = reads.clone();
-    let fault: smoe_engine::store::FaultHook = Arc::new(move |layer, expert| {
-        log.lock().unwrap().push((layer, expert));
-        std::thread::sleep(std::time::Duration::from_millis(60));
-        None
-    });
-    let opts = StoreOptions {
-        budget: CacheBudget::Fraction(1.0),
-        profile: false,
-        read_threads: 1,
-        read_piece: DEFAULT_READ_PIECE,
-        fault: Some(fault),
-    };
-    let vault = smoe_vault::Vault::open(v.path()).unwrap();
-    let experts = Experts::open(&vault, &opts).unwrap();
+    let (experts, reads) = slow_logged_store(&v, 250);
     experts.prefetch(1, &[0, 1, 2]);
-    // Let the reader start the first guess.
-    std::thread::sleep(std::time::Duration::from_millis(20));
+    // Once the reader has started the first guess (it logs as it starts).
+    let t = std::time::Instant::now();
+    while reads.lock().unwrap().is_empty() {
+        assert!(t.elapsed().as_secs() < 10, "the reader never started");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
     let mut got = vec![];
     experts
         .for_each_blob(0, &[3, 4], None, &mut |e, _| got.push(e))
