@@ -13,7 +13,12 @@ mod common;
 use common::{greedy, TempVault};
 
 fn open(path: &Path, budget: CacheBudget, profile: bool) -> Engine {
-    open_with(path, budget, profile, smoe_engine::store::DEFAULT_READ_PIECE)
+    open_with(
+        path,
+        budget,
+        profile,
+        smoe_engine::store::DEFAULT_READ_PIECE,
+    )
 }
 
 fn open_with(path: &Path, budget: CacheBudget, profile: bool, read_piece: usize) -> Engine {
@@ -80,7 +85,10 @@ fn tokens_do_not_depend_on_the_cache() {
             }
             let stride = e.vault.expert_section().unwrap().blob_stride;
             if piece < DEFAULT_READ_PIECE {
-                assert!(stride > piece as u64, "{name}: blobs of one piece test nothing here");
+                assert!(
+                    stride > piece as u64,
+                    "{name}: blobs of one piece test nothing here"
+                );
             }
             // Every miss is one whole blob read; an unneeded lookahead read is a blob read in
             // part or whole (its pieces not started when it was dropped are never read).
@@ -291,7 +299,9 @@ fn a_piece_sink_gets_every_piece_of_the_blobs_read_afresh() {
         assert!(old.is_none(), "piece {at} of expert {e} twice");
     });
     // Expert 2 is cached first, expert 5 read ahead: only 0 and 7 are read afresh.
-    experts.for_each_blob(1, &[2], None, &mut |_, _| {}).unwrap();
+    experts
+        .for_each_blob(1, &[2], None, &mut |_, _| {})
+        .unwrap();
     experts.prefetch(1, &[5]);
     let mut whole = vec![];
     experts
@@ -313,7 +323,10 @@ fn a_piece_sink_gets_every_piece_of_the_blobs_read_afresh() {
         experts
             .for_each_blob(1, &[e], None, &mut |_, b| cached = b.to_vec())
             .unwrap();
-        assert_eq!(blob, cached, "expert {e}: the sink saw the blob that was cached");
+        assert_eq!(
+            blob, cached,
+            "expert {e}: the sink saw the blob that was cached"
+        );
     }
     assert_eq!(pieces.keys().filter(|(e, _)| *e != 0 && *e != 7).count(), 0);
 }

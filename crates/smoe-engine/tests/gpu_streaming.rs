@@ -63,7 +63,10 @@ fn gpu_tokens_do_not_depend_on_the_expert_cache() {
             let e = open_with(&v.0, budget, piece);
             assert!(e.model.experts().is_streaming(), "{name} {budget:?}");
             let stride = e.vault.expert_section().unwrap().blob_stride as usize;
-            assert!(piece >= DEFAULT_READ_PIECE || stride > piece, "{name}: one piece");
+            assert!(
+                piece >= DEFAULT_READ_PIECE || stride > piece,
+                "{name}: one piece"
+            );
             assert_eq!(greedy(&e, &prompt, 24), want_tokens, "{name} {budget:?}");
             let lp = e.logprobs(&prompt).unwrap().logprobs;
             assert_eq!(lp.len(), want_lp.len());

@@ -166,6 +166,23 @@ struct SlotTable {
 /// (a multiple of 4, as `write_buffer` requires).
 const UPLOAD_PIECE: usize = 512 << 10;
 
+/// Copies `bytes`, found at `at` in an expert's blob, into its VRAM slot (`slot`: the slot's
+/// offset and length), leaving out what lies beyond the slot (a blob is padded to 16 KiB).
+fn write_into_slot(
+    q: &wgpu::Queue,
+    buf: &wgpu::Buffer,
+    (base, len): (u64, u64),
+    at: usize,
+    bytes: &[u8],
+) {
+    let end = (at + bytes.len()).min(len as usize);
+    if end > at {
+        // `write_buffer` wants a multiple of 4 bytes.
+        let n = (end - at) & !3;
+        q.write_buffer(buf, base + at as u64, &bytes[..n]);
+    }
+}
+
 fn nanos(d: std::time::Duration) -> u64 {
     d.as_nanos() as u64
 }
@@ -531,8 +548,10 @@ impl GpuDecoder {
                         let filling = Instant::now();
                         let slots = self.fill_slots(st, l, &ids)?;
                         st.stops.fetch_add(1, Ordering::Relaxed);
-                        st.gpu_wait_ns.fetch_add(nanos(filling - waiting), Ordering::Relaxed);
-                        st.fill_ns.fetch_add(nanos(filling.elapsed()), Ordering::Relaxed);
+                        st.gpu_wait_ns
+                            .fetch_add(nanos(filling - waiting), Ordering::Relaxed);
+                        st.fill_ns
+                            .fetch_add(nanos(filling.elapsed()), Ordering::Relaxed);
                         q.write_buffer(&self.acts.ids, 0, bytemuck::cast_slice(&slots));
                     }
                 }
@@ -579,7 +598,8 @@ impl GpuDecoder {
         kv.len += tokens.len();
         if let Some(st) = &self.streaming {
             self.experts.tick();
-            st.pass_ns.fetch_add(nanos(started.elapsed()), Ordering::Relaxed);
+            st.pass_ns
+                .fetch_add(nanos(started.elapsed()), Ordering::Relaxed);
         }
         Ok(greedy)
     }
@@ -824,32 +844,28 @@ impl GpuDecoder {
                 .collect();
             let (q, buf) = (q.clone(), buf.clone());
             Arc::new(move |e: usize, at: usize, bytes: &[u8]| {
-                let Some(&(_, base)) = to.iter().find(|(x, _)| *x == e) else {
-                    return;
-                };
-                // The slot may be shorter than the blob's 16 KiB-padded stride.
-                let end = (at + bytes.len()).min(stride as usize);
-                if end > at {
-                    let len = (end - at) & !3;
-                    q.write_buffer(&buf, base + at as u64, &bytes[..len]);
+                if let Some(&(_, base)) = to.iter().find(|(x, _)| *x == e) {
+                    write_into_slot(&q, &buf, (base, stride), at, bytes);
                 }
             }) as PieceSink
         });
-        let read = self.experts.for_each_blob(l, &misses, sink.as_ref(), &mut |e, bytes| {
-            let s = slot_of[e].expect("assigned above") as u64;
-            let len = bytes.len().min(stride as usize) & !3;
-            let t = Instant::now();
-            // In pieces on several threads: `write_buffer` copies into its staging memory
-            // before it takes the queue's lock, and one thread copies ~10 GB/s.
-            use rayon::prelude::*;
-            bytes[..len]
-                .par_chunks(UPLOAD_PIECE)
-                .enumerate()
-                .for_each(|(i, piece)| {
-                    q.write_buffer(buf, s * stride + (i * UPLOAD_PIECE) as u64, piece)
-                });
-            st.upload_ns.fetch_add(nanos(t.elapsed()), Ordering::Relaxed);
-        });
+        let read = self
+            .experts
+            .for_each_blob(l, &misses, sink.as_ref(), &mut |e, bytes| {
+                let base = slot_of[e].expect("assigned above") as u64 * stride;
+                let t = Instant::now();
+                // In pieces on several threads: `write_buffer` copies into its staging memory
+                // before it takes the queue's lock, and one thread copies ~10 GB/s.
+                use rayon::prelude::*;
+                bytes
+                    .par_chunks(UPLOAD_PIECE)
+                    .enumerate()
+                    .for_each(|(i, piece)| {
+                        write_into_slot(q, buf, (base, stride), i * UPLOAD_PIECE, piece)
+                    });
+                st.upload_ns
+                    .fetch_add(nanos(t.elapsed()), Ordering::Relaxed);
+            });
         if let Err(err) = read {
             for &e in &misses {
                 if let Some(s) = slot_of[e].take() {
@@ -910,7 +926,15 @@ impl GpuDecoder {
 
     pub fn reset_slot_stats(&self) {
         if let Some(s) = &self.streaming {
-            for a in [&s.hits, &s.misses, &s.stops, &s.gpu_wait_ns, &s.fill_ns, &s.upload_ns, &s.pass_ns] {
+            for a in [
+                &s.hits,
+                &s.misses,
+                &s.stops,
+                &s.gpu_wait_ns,
+                &s.fill_ns,
+                &s.upload_ns,
+                &s.pass_ns,
+            ] {
                 a.store(0, Ordering::Relaxed);
             }
         }

@@ -122,7 +122,12 @@ pub struct BlobRead {
 
 impl Drop for BlobRead {
     fn drop(&mut self) {
-        let buf = self.state.get_mut().unwrap_or_else(|e| e.into_inner()).buf.take();
+        let buf = self
+            .state
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .buf
+            .take();
         if let Some(buf) = buf {
             self.pool.give(buf);
         }
@@ -512,7 +517,11 @@ mod tests {
             .collect();
         assert_eq!(
             pieces,
-            vec![(0, 0, KIB16), (1, KIB16 as u64, KIB16), (2, 2 * KIB16 as u64, KIB16)]
+            vec![
+                (0, 0, KIB16),
+                (1, KIB16 as u64, KIB16),
+                (2, 2 * KIB16 as u64, KIB16)
+            ]
         );
         assert!(r.take_piece().is_none());
         assert!(matches!(finish(&r, true), Finished::Nothing));
@@ -553,7 +562,10 @@ mod tests {
         let late = read(3, 1, Priority::Guess);
         let _ = late.take_piece().unwrap();
         assert!(matches!(late.abandon(), Abandoned::InFlight));
-        assert!(matches!(finish(&late, true), Finished::Unneeded((3, Ok(_), _))));
+        assert!(matches!(
+            finish(&late, true),
+            Finished::Unneeded((3, Ok(_), _))
+        ));
         // A guess promoted ahead of later guesses.
         let other = read(4, 1, Priority::Guess);
         let wanted = read(5, 2, Priority::Guess);

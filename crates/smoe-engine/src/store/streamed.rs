@@ -119,7 +119,10 @@ impl StreamedStore {
         let verify = |buf: AlignedBuf| {
             let x = self.vault.expert_section().unwrap();
             self.vault
-                .verify_expert(&x.blobs[read.blob], &buf.as_slice()[..x.used_bytes as usize])
+                .verify_expert(
+                    &x.blobs[read.blob],
+                    &buf.as_slice()[..x.used_bytes as usize],
+                )
                 .map(|()| buf)
                 .map_err(|e| EngineError::ExpertRead {
                     layer: read.layer,
