@@ -441,6 +441,22 @@ fn synth_bench_and_profile() {
         "{r}"
     );
     assert!(r["bytes_touched_per_token"].as_u64().unwrap() > 0);
+    // The disk is measured before and after the runs; the bound takes the faster.
+    let (before, after) = (
+        r["disk_direct_read_gb_per_s_before"].as_f64().unwrap(),
+        r["disk_direct_read_gb_per_s_after"].as_f64().unwrap(),
+    );
+    assert_eq!(
+        r["disk_direct_read_gb_per_s"].as_f64(),
+        Some(before.max(after))
+    );
+    // Every needed read is a whole blob, and the bytes read include them.
+    let (missed, read) = (
+        r["miss_bytes_per_token"].as_f64().unwrap(),
+        r["read_bytes_per_token"].as_f64().unwrap(),
+    );
+    assert!(missed > 0.0 && missed <= read, "{r}");
+    assert!(r["vram_slots"].is_null(), "no VRAM slots on the CPU: {r}");
     // The bench saved a usage profile beside the vault; render it.
     let out = smoe(&["profile", vs]);
     assert!(

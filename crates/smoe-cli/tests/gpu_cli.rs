@@ -180,3 +180,35 @@ fn bench_decode_breakdown_times_every_step() {
         "{qkv}"
     );
 }
+
+/// `smoe bench decode --backend gpu --expert-cache`: the streamed GPU path reports its router
+/// stops and where the host's time went there (`vram_slots`), consistent with each other.
+#[test]
+fn bench_decode_streaming_reports_the_router_stops() {
+    if !have_gpu() {
+        return;
+    }
+    let v = json(&smoe(&[
+        "bench",
+        "decode",
+        "--backend",
+        "gpu",
+        "--expert-cache",
+        "25%",
+        "--no-profile",
+        "--tg",
+        "3",
+        "--pp",
+        "0",
+        "--reps",
+        "1",
+        "--json",
+    ]));
+    let s = &v["vram_slots"];
+    let f = |k: &str| s[k].as_f64().unwrap_or_else(|| panic!("{k}: {v}"));
+    // The demo model has 6 MoE layers: one stop each per decoded token.
+    assert_eq!(f("stops"), 18.0, "{v}");
+    assert!(f("hits") + f("misses") > 0.0, "{v}");
+    assert!(f("pass_s") >= f("gpu_wait_s") + f("fill_s"), "{v}");
+    assert!(f("fill_s") >= f("upload_s"), "{v}");
+}
