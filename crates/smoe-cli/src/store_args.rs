@@ -121,7 +121,7 @@ fn default_budget(vault: &Path) -> CacheBudget {
 pub fn print_stats(st: &StoreStats) {
     let t = &st.total;
     eprintln!(
-        "[experts: {} hits, {} misses (hit rate {:.1}%; {} read a layer ahead, {} of those unused, {} wrong guesses dropped unread), {:.1} MiB read at {:.2} GB/s{}; io wait {:.3}s, compute {:.3}s; cache {:.1}/{:.1} MiB]",
+        "[experts: {} hits, {} misses (hit rate {:.1}%; {} of them read a layer ahead, {} guesses read and unused, {} dropped unread), {:.1} MiB read at {:.2} GB/s{}; io wait {:.3}s, compute {:.3}s; cache {:.1}/{:.1} MiB]",
         t.hits,
         t.misses,
         100.0 * st.hit_rate,
