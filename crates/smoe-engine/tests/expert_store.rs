@@ -330,3 +330,41 @@ fn a_piece_sink_gets_every_piece_of_the_blobs_read_afresh() {
     }
     assert_eq!(pieces.keys().filter(|(e, _)| *e != 0 && *e != 7).count(), 0);
 }
+
+/// A reader thread that panics mid-read (here: the fault hook) fails its blob's request with
+/// the expert named instead of leaving the layer waiting for a piece that never finishes.
+#[test]
+fn a_panicking_reader_fails_the_request_instead_of_hanging() {
+    let v = TempVault::new("tiny-tied", DType::Q4);
+    let fault: smoe_engine::store::FaultHook = Arc::new(|layer, expert| {
+        assert!(layer != 1, "injected panic reading expert {expert}");
+        None
+    });
+    let store = StoreOptions {
+        budget: CacheBudget::Bytes(0),
+        profile: false,
+        read_threads: 2,
+        read_piece: 16 << 10,
+        fault: Some(fault),
+    };
+    let e = Engine::open(
+        v.path(),
+        EngineOptions {
+            store,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let prompt: Vec<u32> = (10..30).collect();
+    // On its own thread, so that a hang fails the test instead of stalling the suite.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(e.logprobs(&prompt).map(|_| ()).map_err(|e| e.to_string()));
+    });
+    let got = rx.recv_timeout(std::time::Duration::from_secs(60));
+    let err = got.expect("the request hung").unwrap_err();
+    assert!(
+        err.contains("of layer 1") && err.contains("panicked"),
+        "{err}"
+    );
+}
