@@ -117,6 +117,24 @@ fn bench_kernels_reports_ratios_to_copy() {
     }
 }
 
+/// `smoe bench decode --backend gpu` on the demo model, 3 decoded tokens, one repetition,
+/// as JSON; `extra` adds flags.
+fn bench_decode_gpu(extra: &[&str]) -> serde_json::Value {
+    let mut args = vec![
+        "bench",
+        "decode",
+        "--backend",
+        "gpu",
+        "--tg",
+        "3",
+        "--reps",
+        "1",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    json(&smoe(&args))
+}
+
 /// `smoe bench decode --breakdown`: GPU timestamps per step, for decode and prefill. Every step
 /// of a Qwen3-MoE layer shows up, shares sum to one, and the GPU time fits inside the wall time.
 #[test]
@@ -124,20 +142,7 @@ fn bench_decode_breakdown_times_every_step() {
     if !have_gpu() {
         return;
     }
-    let v = json(&smoe(&[
-        "bench",
-        "decode",
-        "--backend",
-        "gpu",
-        "--tg",
-        "3",
-        "--pp",
-        "5",
-        "--reps",
-        "1",
-        "--breakdown",
-        "--json",
-    ]));
+    let v = bench_decode_gpu(&["--pp", "5", "--breakdown"]);
     let runs = v["breakdown"].as_array().expect("breakdown");
     assert_eq!(runs.len(), 2, "{v}");
     for r in runs {
@@ -188,22 +193,7 @@ fn bench_decode_streaming_reports_the_router_stops() {
     if !have_gpu() {
         return;
     }
-    let v = json(&smoe(&[
-        "bench",
-        "decode",
-        "--backend",
-        "gpu",
-        "--expert-cache",
-        "25%",
-        "--no-profile",
-        "--tg",
-        "3",
-        "--pp",
-        "0",
-        "--reps",
-        "1",
-        "--json",
-    ]));
+    let v = bench_decode_gpu(&["--pp", "0", "--expert-cache", "25%", "--no-profile"]);
     let s = &v["vram_slots"];
     let f = |k: &str| s[k].as_f64().unwrap_or_else(|| panic!("{k}: {v}"));
     // The demo model has 6 MoE layers: one stop each per decoded token.

@@ -10,7 +10,7 @@
 use super::aligned::AlignedBuf;
 use crate::error::EngineError;
 use std::collections::VecDeque;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
 /// Where the pieces of a layer's missed blobs go as soon as each is read, on the reader threads,
@@ -29,6 +29,12 @@ pub enum Priority {
     Needed,
     /// Lookahead: a later layer will probably need it.
     Guess,
+}
+
+/// The store's locks guard plain bookkeeping that a panicking holder leaves consistent (reader
+/// panics are caught per piece): a poisoned lock is still used.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Blob-sized read buffers for reuse. Getting 2.5 MiB of aligned, zeroed memory from the OS
@@ -72,8 +78,8 @@ impl BufPool {
         made
     }
 
-    fn free(&self) -> std::sync::MutexGuard<'_, Vec<AlignedBuf>> {
-        self.free.lock().unwrap_or_else(|e| e.into_inner())
+    fn free(&self) -> MutexGuard<'_, Vec<AlignedBuf>> {
+        lock(&self.free)
     }
 
     /// A buffer (its old contents are overwritten by the read), or None when out of memory.
@@ -216,12 +222,8 @@ impl BlobRead {
         })
     }
 
-    pub fn pieces(&self) -> usize {
-        self.pieces
-    }
-
-    fn state(&self) -> std::sync::MutexGuard<'_, ReadState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    fn state(&self) -> MutexGuard<'_, ReadState> {
+        lock(&self.state)
     }
 
     /// Hands the next unread piece to a reader: its index, file offset and destination, or
@@ -370,8 +372,8 @@ impl ReadQueue {
         }
     }
 
-    fn state(&self) -> std::sync::MutexGuard<'_, QueueState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    fn state(&self) -> MutexGuard<'_, QueueState> {
+        lock(&self.state)
     }
 
     /// Queues every piece of `read` at its priority.

@@ -106,21 +106,24 @@ impl StreamedStore {
         let ok = piece.and_then(|(_, offset, dst)| {
             // A piece must be finished whatever happens (a layer may be waiting for its blob):
             // a panic in the read or the sink fails the piece instead.
+            let len = dst.len() as u64;
+            self.busy(true);
             let run = std::panic::AssertUnwindSafe(|| {
-                let len = dst.len() as u64;
-                self.busy(true);
                 let ok = self.reader.read(read.layer, read.expert, offset, dst);
-                self.busy(false);
                 if ok.is_ok() {
-                    self.stats.lock().unwrap().per_layer[read.layer].bytes_read += len;
                     if let Some(sink) = &read.sink {
                         sink(read.expert, (offset - read.offset) as usize, dst);
                     }
                 }
                 ok.map_err(|e| e.to_string())
             });
-            std::panic::catch_unwind(run)
-                .unwrap_or_else(|_| Err("the reader thread panicked while reading it".into()))
+            let ok = std::panic::catch_unwind(run)
+                .unwrap_or_else(|_| Err("the reader thread panicked while reading it".into()));
+            self.busy(false);
+            if ok.is_ok() {
+                self.stats.lock().unwrap().per_layer[read.layer].bytes_read += len;
+            }
+            ok
         });
         let verify = |buf: AlignedBuf| {
             let x = self.vault.expert_section().unwrap();
