@@ -90,8 +90,19 @@ impl StoreArgs {
                 0.0
             };
             eprintln!(
-                "[VRAM expert slots: {} hits, {} misses ({rate:.1}% hit rate); passes {:.3}s: GPU wait {:.3}s, filling slots {:.3}s (uploads {:.3}s) at {} router stops; the line below is the host store behind them]",
-                v.hits, v.misses, v.pass_s, v.gpu_wait_s, v.fill_s, v.upload_s, v.stops
+                "[VRAM expert slots: {} hits, {} misses ({rate:.1}% hit rate); passes {:.3}s: GPU wait {:.3}s, filling slots {:.3}s (uploads {:.3}s) at {} router stops; filled {}; the line below is the host store behind them]",
+                v.hits,
+                v.misses,
+                v.pass_s,
+                v.gpu_wait_s,
+                v.fill_s,
+                v.upload_s,
+                v.stops,
+                match (v.mapped, v.landed) {
+                    (true, 0) => "through a mapping".to_string(),
+                    (true, n) => format!("through a mapping, {n} read straight into a slot"),
+                    (false, _) => "through staging".to_string(),
+                }
             );
         }
         if self.stats {

@@ -28,6 +28,7 @@ fn open_with(path: &Path, budget: CacheBudget, profile: bool, read_piece: usize)
         read_threads: 4,
         read_piece,
         fault: None,
+        mapped_slots: true,
     };
     Engine::open(
         path,
@@ -120,6 +121,7 @@ fn a_failed_read_fails_the_request_names_the_expert_and_is_not_cached() {
         read_threads: 2,
         read_piece: 16 << 10,
         fault: Some(fault),
+        mapped_slots: true,
     };
     let e = Engine::open(
         &path,
@@ -209,6 +211,7 @@ fn slow_logged_store(v: &TempVault, ms: u64) -> (smoe_engine::store::Experts, Re
         read_threads: 1,
         read_piece: DEFAULT_READ_PIECE,
         fault: Some(fault),
+        mapped_slots: true,
     };
     let vault = smoe_vault::Vault::open(v.path()).unwrap();
     let experts = smoe_engine::store::Experts::open(&vault, &opts).unwrap();
@@ -225,7 +228,9 @@ fn wrong_lookahead_guesses_are_dropped_unread() {
     experts.prefetch(0, &[0, 1, 2, 3]);
     let mut got = vec![];
     experts
-        .for_each_blob(0, &[0], None, &mut |e, bytes| got.push((e, bytes.len())))
+        .for_each_blob(0, &[0], (None, &[]), &mut |e, bytes| {
+            got.push((e, bytes.len()))
+        })
         .unwrap();
     assert_eq!(got.len(), 1);
     assert_eq!(got[0].0, 0);
@@ -255,13 +260,13 @@ fn needed_reads_overtake_queued_guesses() {
     }
     let mut got = vec![];
     experts
-        .for_each_blob(0, &[3, 4], None, &mut |e, _| got.push(e))
+        .for_each_blob(0, &[3, 4], (None, &[]), &mut |e, _| got.push(e))
         .unwrap();
     got.sort_unstable();
     assert_eq!(got, vec![3, 4]);
     // The guesses are still wanted: layer 1 takes them.
     experts
-        .for_each_blob(1, &[0, 1, 2], None, &mut |_, _| {})
+        .for_each_blob(1, &[0, 1, 2], (None, &[]), &mut |_, _| {})
         .unwrap();
     assert_eq!(
         *reads.lock().unwrap(),
@@ -287,6 +292,7 @@ fn a_piece_sink_gets_every_piece_of_the_blobs_read_afresh() {
         read_threads: 3,
         read_piece: 16 << 10,
         fault: None,
+        mapped_slots: true,
     };
     let vault = smoe_vault::Vault::open(v.path()).unwrap();
     let experts = Experts::open(&vault, &opts).unwrap();
@@ -300,12 +306,14 @@ fn a_piece_sink_gets_every_piece_of_the_blobs_read_afresh() {
     });
     // Expert 2 is cached first, expert 5 read ahead: only 0 and 7 are read afresh.
     experts
-        .for_each_blob(1, &[2], None, &mut |_, _| {})
+        .for_each_blob(1, &[2], (None, &[]), &mut |_, _| {})
         .unwrap();
     experts.prefetch(1, &[5]);
     let mut whole = vec![];
     experts
-        .for_each_blob(1, &[0, 2, 5, 7], Some(&sink), &mut |e, _| whole.push(e))
+        .for_each_blob(1, &[0, 2, 5, 7], (Some(&sink), &[]), &mut |e, _| {
+            whole.push(e)
+        })
         .unwrap();
     whole.sort_unstable();
     assert_eq!(whole, vec![2, 5]);
@@ -321,7 +329,7 @@ fn a_piece_sink_gets_every_piece_of_the_blobs_read_afresh() {
         assert_eq!(blob.len(), stride);
         let mut cached = vec![];
         experts
-            .for_each_blob(1, &[e], None, &mut |_, b| cached = b.to_vec())
+            .for_each_blob(1, &[e], (None, &[]), &mut |_, b| cached = b.to_vec())
             .unwrap();
         assert_eq!(
             blob, cached,
@@ -329,6 +337,55 @@ fn a_piece_sink_gets_every_piece_of_the_blobs_read_afresh() {
         );
     }
     assert_eq!(pieces.keys().filter(|(e, _)| *e != 0 && *e != 7).count(), 0);
+}
+
+/// Read targets (what a mapped GPU slot on unified memory gives the store): a blob read afresh
+/// lands in its target, verified there, and is neither handed to `f` nor cached; a blob the
+/// store has already goes to `f` as usual. The targets here are deliberately not 4 KiB
+/// aligned (direct I/O refuses such memory: those reads go through the page cache instead).
+#[test]
+fn reads_land_in_their_targets() {
+    use smoe_engine::store::{Experts, ReadTarget};
+    let v = TempVault::new("tiny-tied", DType::Q4);
+    let opts = StoreOptions {
+        budget: CacheBudget::Fraction(1.0),
+        profile: false,
+        read_threads: 3,
+        read_piece: 16 << 10,
+        fault: None,
+        mapped_slots: true,
+    };
+    let vault = smoe_vault::Vault::open(v.path()).unwrap();
+    let experts = Experts::open(&vault, &opts).unwrap();
+    let stride = vault.expert_section().unwrap().blob_stride as usize;
+    experts
+        .for_each_blob(1, &[2], (None, &[]), &mut |_, _| {})
+        .unwrap();
+    let mut mem = vec![0xAAu8; 3 * stride + 64];
+    let base = mem.as_mut_ptr();
+    // SAFETY: two disjoint blob-sized ranges of `mem`, untouched until the call returns.
+    let targets = [0usize, 7].map(|e| {
+        let at = 8 + if e == 0 { 0 } else { stride + 24 };
+        (e, unsafe { ReadTarget::new(base.add(at), stride) })
+    });
+    let mut handed = vec![];
+    experts
+        .for_each_blob(1, &[0, 2, 7], (None, &targets), &mut |e, _| handed.push(e))
+        .unwrap();
+    assert_eq!(handed, vec![2], "only the cached blob goes to f");
+    for (e, at) in [(0, 8), (7, stride + 32)] {
+        let got = &mem[at..at + stride];
+        let want = vault.expert_bytes_mapped(vault.expert_entry(1, e).unwrap());
+        assert_eq!(&got[..want.len()], want, "expert {e} landed whole");
+    }
+    // Not cached: asking again reads it afresh (into a buffer of the store's, handed to f).
+    let before = experts.stats().unwrap().total.misses;
+    let mut again = vec![];
+    experts
+        .for_each_blob(1, &[0], (None, &[]), &mut |e, _| again.push(e))
+        .unwrap();
+    assert_eq!(again, vec![0]);
+    assert_eq!(experts.stats().unwrap().total.misses, before + 1);
 }
 
 /// A reader thread that panics mid-read (here: the fault hook) fails its blob's request with
@@ -346,6 +403,7 @@ fn a_panicking_reader_fails_the_request_instead_of_hanging() {
         read_threads: 2,
         read_piece: 16 << 10,
         fault: Some(fault),
+        mapped_slots: true,
     };
     let e = Engine::open(
         v.path(),

@@ -118,6 +118,40 @@ impl GpuContext {
         })
     }
 
+    /// As `storage_buffer`, but also mappable for writing by the host (`MAP_WRITE`, which needs
+    /// `MAPPABLE_PRIMARY_BUFFERS`): on unified memory the kernels' own memory, on a discrete GPU
+    /// host-visible VRAM (the PCIe BAR) where the driver offers it. `None` when the device lacks
+    /// the feature or the allocation fails (a BAR too small for it): use `storage_buffer`.
+    pub fn mappable_storage_buffer(&self, label: &str, bytes: u64) -> Option<wgpu::Buffer> {
+        if !self
+            .info()
+            .features
+            .contains(wgpu::Features::MAPPABLE_PRIMARY_BUFFERS)
+        {
+            return None;
+        }
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let valid = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let buf = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size: bytes.max(16).next_multiple_of(16),
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_SRC
+                | wgpu::BufferUsages::COPY_DST
+                | wgpu::BufferUsages::MAP_WRITE,
+            mapped_at_creation: false,
+        });
+        let invalid = pollster::block_on(valid.pop());
+        let oom = pollster::block_on(scope.pop());
+        match invalid.or(oom) {
+            None => Some(buf),
+            Some(_) => {
+                buf.destroy();
+                None
+            }
+        }
+    }
+
     /// A storage buffer holding `data` (padded with zeros to a multiple of 16 bytes).
     pub fn upload(&self, label: &str, data: &[u8]) -> wgpu::Buffer {
         let mut padded;

@@ -195,10 +195,13 @@ impl GpuContext {
             return Err(GpuError::NoSubgroups(ainfo.name));
         }
         // Timestamps inside passes: the per-step breakdown of `smoe bench decode --breakdown`.
+        // Mappable storage buffers: streamed experts are copied straight into their VRAM slots
+        // (`mappable_storage_buffer`).
         let wanted = wgpu::Features::SUBGROUP
             | wgpu::Features::SHADER_F16
             | wgpu::Features::TIMESTAMP_QUERY
-            | wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES;
+            | wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES
+            | wgpu::Features::MAPPABLE_PRIMARY_BUFFERS;
         let matrix_units = MatrixUnits::probe(&adapter);
         let mut features = have & wanted;
         if matrix_units == MatrixUnits::Used {

@@ -19,6 +19,7 @@ mod head;
 mod kv;
 mod layer;
 mod record;
+mod slots;
 mod weights;
 
 pub(crate) use acts::Acts;
@@ -27,6 +28,7 @@ pub use kv::GpuKv;
 pub(crate) use kv::{AttnCtx, KvPool};
 pub(crate) use layer::LayerOps;
 pub(crate) use record::Recorder;
+pub(crate) use slots::SlotWriter;
 pub(crate) use weights::{FfnW, Weights};
 
 use crate::error::EngineError;

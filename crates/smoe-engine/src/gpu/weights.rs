@@ -83,6 +83,8 @@ pub(crate) struct ExpertStack {
     /// Blob slots in `buf`: `n` when resident (slot = expert); fewer when streaming, where the
     /// decoder's slot table maps experts to slots and fills them on demand.
     pub slots: usize,
+    /// The host can map `buf` to write blobs into it (streaming; `gpu::slots`).
+    pub mappable: bool,
 }
 
 pub(crate) enum FfnW {
@@ -124,6 +126,8 @@ struct Loader<'a> {
     vault: &'a Vault,
     /// Streaming: expert slots per MoE layer (left empty at load).
     slots: Option<usize>,
+    /// Streaming: make the slots mappable where the device allows (`StoreOptions::mapped_slots`).
+    mapped_slots: bool,
 }
 
 impl Loader<'_> {
@@ -226,10 +230,18 @@ impl Loader<'_> {
         }
         let n = cfg.num_experts;
         let slots = self.slots.map_or(n, |s| s.clamp(1, n));
-        let buf = self.buffer(
-            &format!("layer {l} experts"),
-            slots as u64 * sec.blob_stride,
-        )?;
+        let label = format!("layer {l} experts");
+        let bytes = slots as u64 * sec.blob_stride;
+        // Streaming slots the host can map and write into (`gpu::slots`), where offered.
+        let fits = bytes <= self.ctx.limits().max_buffer_size;
+        let mapped = (self.slots.is_some() && self.mapped_slots && fits)
+            .then(|| self.ctx.mappable_storage_buffer(&label, bytes))
+            .flatten();
+        let mappable = mapped.is_some();
+        let buf = match mapped {
+            Some(buf) => buf,
+            None => self.buffer(&label, bytes)?,
+        };
         for e in (0..n).filter(|_| self.slots.is_none()) {
             let blob = self.vault.expert_entry(l, e)?;
             let bytes = self.vault.expert_bytes_mapped(blob);
@@ -246,6 +258,7 @@ impl Loader<'_> {
             stride: sec.blob_stride,
             n,
             slots,
+            mappable,
         })
     }
 
@@ -299,10 +312,10 @@ impl Loader<'_> {
 }
 
 impl Weights {
-    /// Layer `l`'s expert slot buffer and the blob stride (MoE layers only).
-    pub fn expert_slots(&self, l: usize) -> Option<(&wgpu::Buffer, u64)> {
+    /// Layer `l`'s expert slots (MoE layers only).
+    pub fn expert_slots(&self, l: usize) -> Option<&ExpertStack> {
         match &self.layers[l].ffn {
-            FfnW::Moe { experts, .. } => Some((&experts.buf, experts.stride)),
+            FfnW::Moe { experts, .. } => Some(experts),
             FfnW::Dense(_) => None,
         }
     }
@@ -316,19 +329,20 @@ impl Weights {
         }
     }
 
-    /// `expert_slots`: `None` uploads every expert; `Some(s)` gives each MoE layer `s` empty
-    /// expert slots (streaming).
+    /// `expert_slots`: `None` uploads every expert; `Some((s, mapped))` gives each MoE layer `s`
+    /// empty expert slots (streaming), mappable by the host where `mapped` and the device allow.
     pub fn upload(
         ctx: &GpuContext,
         vault: &Vault,
         rope: &RopeTable,
-        expert_slots: Option<usize>,
+        expert_slots: Option<(usize, bool)>,
     ) -> Result<Self, EngineError> {
         let cfg = &vault.header.config;
         let ld = Loader {
             ctx,
             vault,
-            slots: expert_slots,
+            slots: expert_slots.map(|s| s.0),
+            mapped_slots: expert_slots.is_some_and(|s| s.1),
         };
         let mut layers = vec![];
         for l in 0..cfg.num_layers {

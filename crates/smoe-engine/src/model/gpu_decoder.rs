@@ -20,11 +20,12 @@
 use super::{mat, Logits};
 use crate::error::EngineError;
 use crate::gpu::{
-    self, Acts, FfnW, GpuKv, Head, KvPool, LayerOps, Readback, Recorder, Weights, LOGIT_ROWS, T_MAX,
+    self, Acts, FfnW, GpuKv, Head, KvPool, LayerOps, Readback, Recorder, SlotWriter, Weights,
+    LOGIT_ROWS, T_MAX,
 };
 use crate::kv_cache::KvCache;
 use crate::rope::RopeTable;
-use crate::store::{CacheBudget, Experts, PieceSink, StoreOptions};
+use crate::store::{CacheBudget, Experts, PieceSink, ReadTarget, StoreOptions};
 use smoe_compute::gpu::{wgpu, BufRef, EmbedGather, GpuContext, MatrixUnits, Timestamps};
 use smoe_vault::{ModelConfig, TensorData, Vault};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -120,6 +121,12 @@ struct Streaming {
     slots: usize,
     /// The largest batch whose n·k experts always fit in the slots.
     max_piece: usize,
+    /// Every MoE layer's slots are filled through a mapping (`SlotWriter::Mapped`).
+    mapped: bool,
+    /// ... and disk reads land in them (unified memory; the store keeps no cache).
+    lands: bool,
+    /// Blobs read straight into a slot.
+    landed: AtomicU64,
     table: Mutex<SlotTable>,
     ids: Readback,
     /// The lookahead router's ids (`LayerOps::lookahead`).
@@ -146,12 +153,18 @@ pub struct SlotStats {
     pub gpu_wait_s: f64,
     /// Filling slots: reads waited for, plus the uploads below.
     pub fill_s: f64,
-    /// Copying blobs into the staging memory of `queue.write_buffer` on the forward pass's
-    /// thread (host-cache hits and lookahead reads; the pieces of blobs read at the stop are
-    /// copied by the reader threads as they arrive, overlapping the reads).
+    /// Copying whole blobs into the slots (mapped) or into `queue.write_buffer`'s staging
+    /// memory, on the forward pass's thread: host-cache hits and lookahead reads (the pieces of
+    /// blobs read at the stop are copied by the reader threads as they arrive, overlapping the
+    /// reads).
     pub upload_s: f64,
     /// Forward passes in all (the rest is recording, submitting and the last wait).
     pub pass_s: f64,
+    /// The host writes blobs straight into the slots through a mapping (`gpu::slots`); false:
+    /// through wgpu's staging memory and a GPU copy.
+    pub mapped: bool,
+    /// Blobs read from disk straight into their slot (unified memory: the bytes moved once).
+    pub landed: u64,
 }
 
 struct SlotTable {
@@ -162,26 +175,9 @@ struct SlotTable {
     clock: u64,
 }
 
-/// Bytes per `write_buffer` when the forward pass's thread copies a whole blob into a slot
-/// (a multiple of 4, as `write_buffer` requires).
+/// Bytes per copy when the forward pass's thread copies a whole blob into a slot (on several
+/// threads: one copies ~10 GB/s).
 const UPLOAD_PIECE: usize = 512 << 10;
-
-/// Copies `bytes`, found at `at` in an expert's blob, into its VRAM slot (`slot`: the slot's
-/// offset and length), leaving out what lies beyond the slot (a blob is padded to 16 KiB).
-fn write_into_slot(
-    q: &wgpu::Queue,
-    buf: &wgpu::Buffer,
-    (base, len): (u64, u64),
-    at: usize,
-    bytes: &[u8],
-) {
-    let end = (at + bytes.len()).min(len as usize);
-    if end > at {
-        // `write_buffer` wants a multiple of 4 bytes.
-        let n = (end - at) & !3;
-        q.write_buffer(buf, base + at as u64, &bytes[..n]);
-    }
-}
 
 fn nanos(d: std::time::Duration) -> u64 {
     d.as_nanos() as u64
@@ -258,17 +254,37 @@ impl GpuDecoder {
     ) -> Result<Self, EngineError> {
         static IDS: AtomicU64 = AtomicU64::new(1);
         let rope = RopeTable::new(&cfg.rope, cfg.head_dim);
-        let experts = if store.budget == CacheBudget::Resident {
-            let no_profile = StoreOptions {
-                profile: false,
-                ..StoreOptions::default()
-            };
-            Experts::open(vault, &no_profile)?
-        } else {
-            Experts::open(vault, store)?
+        // On unified memory a host cache beside mapped slots would hold the same experts in
+        // the same RAM twice: there disk reads land in the slots themselves (`SlotWriter::
+        // target`), the slots take the whole budget, and the store keeps no cache of its own.
+        let unified = matches!(
+            ctx.info().adapter.device_type,
+            wgpu::DeviceType::IntegratedGpu | wgpu::DeviceType::Cpu
+        );
+        let mappable = ctx
+            .info()
+            .features
+            .contains(wgpu::Features::MAPPABLE_PRIMARY_BUFFERS);
+        let lands = unified && mappable && store.mapped_slots;
+        let budget = store.budget.bytes(vault);
+        let experts = match budget {
+            None => {
+                let no_profile = StoreOptions {
+                    profile: false,
+                    ..StoreOptions::default()
+                };
+                Experts::open(vault, &no_profile)?
+            }
+            Some(b) => Experts::open(
+                vault,
+                &StoreOptions {
+                    budget: CacheBudget::Bytes(if lands { 0 } else { b }),
+                    ..store.clone()
+                },
+            )?,
         };
         let k = cfg.num_experts_per_tok.max(1);
-        let streaming = match (experts.budget_bytes(), vault.expert_section()) {
+        let mut streaming = match (budget, vault.expert_section()) {
             (Some(budget), Some(sec)) if experts.is_streaming() => {
                 let moe = cfg.moe_layers().count().max(1) as u64;
                 let by_budget = budget / (sec.blob_stride * moe).max(1);
@@ -286,6 +302,9 @@ impl GpuDecoder {
                 Some(Streaming {
                     slots,
                     max_piece,
+                    mapped: false,
+                    lands: false,
+                    landed: AtomicU64::new(0),
                     table: Mutex::new(SlotTable {
                         slot_of: (0..layers)
                             .map(|l| vec![None; if is_moe(l) { cfg.num_experts } else { 0 }])
@@ -308,7 +327,25 @@ impl GpuDecoder {
             }
             _ => None,
         };
-        let weights = Weights::upload(ctx, vault, &rope, streaming.as_ref().map(|s| s.slots))?;
+        let weights = Weights::upload(
+            ctx,
+            vault,
+            &rope,
+            streaming.as_ref().map(|s| (s.slots, store.mapped_slots)),
+        )?;
+        if let Some(st) = &mut streaming {
+            let mapped =
+                (cfg.moe_layers()).all(|l| weights.expert_slots(l).is_some_and(|s| s.mappable));
+            st.mapped = mapped;
+            st.lands = mapped && lands;
+            tracing::info!(
+                "GPU backend: expert slots filled {}",
+                match mapped {
+                    true => "by the host through a mapping (one copy per blob, no staging)",
+                    false => "through wgpu's staging memory (write_buffer, then a GPU copy)",
+                }
+            );
+        }
         let acts = Acts::new(ctx, &cfg);
         let chain = match weights.embedding(cfg.tie_word_embeddings) {
             Some(e) => {
@@ -791,10 +828,11 @@ impl GpuDecoder {
     /// (host cache or an O_DIRECT read) through `queue.write_buffer`, which lands before the
     /// next submission. A failed read leaves no slot claiming the expert.
     fn fill_slots(&self, st: &Streaming, l: usize, ids: &[u32]) -> Result<Vec<u32>, EngineError> {
-        let (buf, stride) = self
+        let slots = self
             .weights
             .expert_slots(l)
             .ok_or_else(|| EngineError::Backend(format!("GPU: layer {l} has no experts")))?;
+        let stride = slots.stride;
         let used: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
         if let Some(&bad) = used.iter().find(|&&e| e >= self.cfg.num_experts) {
             return Err(EngineError::Backend(format!(
@@ -833,46 +871,79 @@ impl GpuDecoder {
         st.hits
             .fetch_add((distinct.len() - misses.len()) as u64, Ordering::Relaxed);
         st.misses.fetch_add(misses.len() as u64, Ordering::Relaxed);
-        let q = &self.ctx.queue;
-        // Blobs read from disk now reach their slots piece by piece from the reader threads,
-        // each piece as soon as it is read; hits in the host cache and lookahead reads are
-        // copied here.
-        let sink: Option<PieceSink> = (!misses.is_empty()).then(|| {
-            let to: Vec<(usize, u64)> = misses
-                .iter()
-                .map(|&e| (e, slot_of[e].expect("assigned above") as u64 * stride))
-                .collect();
-            let (q, buf) = (q.clone(), buf.clone());
-            Arc::new(move |e: usize, at: usize, bytes: &[u8]| {
-                if let Some(&(_, base)) = to.iter().find(|(x, _)| *x == e) {
-                    write_into_slot(&q, &buf, (base, stride), at, bytes);
-                }
-            }) as PieceSink
-        });
-        let read = self
-            .experts
-            .for_each_blob(l, &misses, sink.as_ref(), &mut |e, bytes| {
-                let base = slot_of[e].expect("assigned above") as u64 * stride;
-                let t = Instant::now();
-                // In pieces on several threads: `write_buffer` copies into its staging memory
-                // before it takes the queue's lock, and one thread copies ~10 GB/s.
-                use rayon::prelude::*;
-                bytes
-                    .par_chunks(UPLOAD_PIECE)
-                    .enumerate()
-                    .for_each(|(i, piece)| {
-                        write_into_slot(q, buf, (base, stride), i * UPLOAD_PIECE, piece)
-                    });
-                st.upload_ns
-                    .fetch_add(nanos(t.elapsed()), Ordering::Relaxed);
-            });
-        if let Err(err) = read {
+        // A failed fill leaves no slot claiming the missed experts.
+        let forget = |slot_of: &mut Vec<Option<u32>>, held: &mut Vec<(Option<usize>, u64)>| {
             for &e in &misses {
                 if let Some(s) = slot_of[e].take() {
                     held[s as usize] = (None, 0);
                 }
             }
+        };
+        // (Called even without misses: it also drops this layer's unused lookahead reads and
+        // starts the next layer's.)
+        let writer = match misses.is_empty() {
+            true => None,
+            false => match SlotWriter::open(&self.ctx, &slots.buf, slots.mappable, st.lands) {
+                Ok(w) => Some(Arc::new(w)),
+                Err(err) => {
+                    forget(slot_of, held);
+                    return Err(err);
+                }
+            },
+        };
+        // Blobs read from disk now reach their slots piece by piece from the reader threads,
+        // each piece as soon as it is read; hits in the host cache and lookahead reads are
+        // copied here.
+        let sink: Option<PieceSink> = writer.clone().map(|writer| {
+            let to: Vec<(usize, u64)> = misses
+                .iter()
+                .map(|&e| (e, slot_of[e].expect("assigned above") as u64 * stride))
+                .collect();
+            Arc::new(move |e: usize, at: usize, bytes: &[u8]| {
+                if let Some(&(_, base)) = to.iter().find(|(x, _)| *x == e) {
+                    writer.write((base, stride), at, bytes);
+                }
+            }) as PieceSink
+        });
+        // Unified memory: the blobs read now land in their slots.
+        let targets: Vec<(usize, ReadTarget)> = (writer.iter())
+            .flat_map(|w| {
+                (misses.iter())
+                    .filter_map(|&e| Some((e, w.target((slot_of[e]? as u64 * stride, stride))?)))
+            })
+            .collect();
+        let mut copied = 0;
+        let read =
+            self.experts
+                .for_each_blob(l, &misses, (sink.as_ref(), &targets), &mut |e, bytes| {
+                    let (Some(writer), Some(s)) = (&writer, slot_of[e]) else {
+                        return;
+                    };
+                    copied += 1;
+                    let base = s as u64 * stride;
+                    let t = Instant::now();
+                    use rayon::prelude::*;
+                    bytes
+                        .par_chunks(UPLOAD_PIECE)
+                        .enumerate()
+                        .for_each(|(i, piece)| {
+                            writer.write((base, stride), i * UPLOAD_PIECE, piece)
+                        });
+                    st.upload_ns
+                        .fetch_add(nanos(t.elapsed()), Ordering::Relaxed);
+                });
+        // Every read this stop waited for is done: nothing writes into the slots any more.
+        if let Some(w) = &writer {
+            w.finish();
+        }
+        if let Err(err) = read {
+            forget(slot_of, held);
             return Err(err);
+        }
+        // Landing, the store handed over only what it had already (guessed or cached).
+        if !targets.is_empty() {
+            let landed = (misses.len() - copied) as u64;
+            st.landed.fetch_add(landed, Ordering::Relaxed);
         }
         Ok(used.iter().map(|&e| slot_of[e].expect("filled")).collect())
     }
@@ -921,6 +992,8 @@ impl GpuDecoder {
             fill_s: secs(&s.fill_ns),
             upload_s: secs(&s.upload_ns),
             pass_s: secs(&s.pass_ns),
+            mapped: s.mapped,
+            landed: s.landed.load(Ordering::Relaxed),
         })
     }
 
@@ -934,6 +1007,7 @@ impl GpuDecoder {
                 &s.fill_ns,
                 &s.upload_ns,
                 &s.pass_ns,
+                &s.landed,
             ] {
                 a.store(0, Ordering::Relaxed);
             }

@@ -1,4 +1,5 @@
-//! Heap buffers aligned to 16 KiB: what O_DIRECT reads require and what a GPU can wrap.
+//! Heap buffers aligned to 16 KiB: what O_DIRECT reads require and what a GPU can wrap (or, for
+//! a read that lands straight in a mapped GPU slot, a view of that memory).
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 
@@ -7,6 +8,8 @@ pub const ALIGN: usize = 16 * 1024;
 pub struct AlignedBuf {
     ptr: *mut u8,
     len: usize,
+    /// Allocated here (freed on drop); false for memory lent by someone else (`borrowed`).
+    owned: bool,
 }
 
 // SAFETY: the buffer is plain bytes owned by this value; no interior aliasing.
@@ -21,7 +24,30 @@ impl AlignedBuf {
         let layout = Layout::from_size_align(len, ALIGN).ok()?;
         // SAFETY: non-zero size, valid alignment.
         let ptr = unsafe { alloc_zeroed(layout) };
-        (!ptr.is_null()).then_some(AlignedBuf { ptr, len })
+        (!ptr.is_null()).then_some(AlignedBuf {
+            ptr,
+            len,
+            owned: true,
+        })
+    }
+
+    /// A view of `len` bytes of memory owned elsewhere (a mapped GPU slot that a read lands in
+    /// directly); never freed by this value.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `len` bytes, and used by nobody else, for
+    /// as long as the value (or anything reading through it) lives.
+    pub unsafe fn borrowed(ptr: *mut u8, len: usize) -> Self {
+        AlignedBuf {
+            ptr,
+            len,
+            owned: false,
+        }
+    }
+
+    /// Memory lent by someone else (`borrowed`): not for a pool or a cache.
+    pub fn is_borrowed(&self) -> bool {
+        !self.owned
     }
 
     pub fn len(&self) -> usize {
@@ -51,8 +77,10 @@ impl AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this exact layout.
-        unsafe { dealloc(self.ptr, Layout::from_size_align_unchecked(self.len, ALIGN)) }
+        if self.owned {
+            // SAFETY: allocated in `new` with this exact layout.
+            unsafe { dealloc(self.ptr, Layout::from_size_align_unchecked(self.len, ALIGN)) }
+        }
     }
 }
 

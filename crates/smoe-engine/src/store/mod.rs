@@ -15,7 +15,7 @@ use crate::error::EngineError;
 pub use crate::experts::Expert;
 use crate::experts::ExpertStore;
 use profile::Profile;
-pub use read_queue::PieceSink;
+pub use read_queue::{PieceSink, ReadTarget};
 pub use reader::FaultHook;
 use smoe_vault::Vault;
 pub use stats::StoreStats;
@@ -82,6 +82,36 @@ impl std::str::FromStr for CacheBudget {
     }
 }
 
+impl CacheBudget {
+    /// The budget in bytes for `vault` (`None`: resident). `Auto` looks at the memory free now.
+    pub fn bytes(&self, vault: &Vault) -> Option<u64> {
+        let total = expert_bytes(vault);
+        match *self {
+            CacheBudget::Resident => None,
+            CacheBudget::Bytes(b) => Some(b),
+            CacheBudget::Fraction(f) => Some((total as f64 * f) as u64),
+            CacheBudget::Auto => {
+                // Leave room for the scout, activations and the rest of the system.
+                let margin =
+                    (2u64 << 30) + vault.header.tensors.iter().map(|t| t.length).sum::<u64>();
+                Some(
+                    available_memory()
+                        .map_or(4 << 30, |m| m.saturating_sub(margin))
+                        .min(total),
+                )
+            }
+        }
+    }
+}
+
+/// The vault's expert blobs, at their stride.
+fn expert_bytes(vault: &Vault) -> u64 {
+    vault
+        .expert_section()
+        .map(|x| x.blob_stride * x.blobs.len() as u64)
+        .unwrap_or(0)
+}
+
 /// 256 KiB: a Qwen3-30B-A3B q4 expert (2.5 MiB) is 10 pieces. On the H200 machine's disk
 /// pieces of 256 KiB to 2.5 MiB read at the same 1.2–1.6 GB/s from 1 to 16 threads; an NVMe
 /// wants several reads in flight, which the pieces give it even for one miss. Small pieces also
@@ -100,6 +130,10 @@ pub struct StoreOptions {
     pub read_piece: usize,
     /// Test hook to inject read failures.
     pub fault: Option<FaultHook>,
+    /// GPU streaming: the host writes blobs straight into the VRAM expert slots through a
+    /// mapping where the device allows it (`gpu::slots`); false: always through wgpu's staging
+    /// memory. Default: true, unless the environment sets `SMOE_MAPPED_SLOTS=0`.
+    pub mapped_slots: bool,
 }
 
 impl std::fmt::Debug for StoreOptions {
@@ -110,6 +144,7 @@ impl std::fmt::Debug for StoreOptions {
             .field("read_threads", &self.read_threads)
             .field("read_piece", &self.read_piece)
             .field("fault", &self.fault.is_some())
+            .field("mapped_slots", &self.mapped_slots)
             .finish()
     }
 }
@@ -122,6 +157,7 @@ impl Default for StoreOptions {
             read_threads: 8,
             read_piece: DEFAULT_READ_PIECE,
             fault: None,
+            mapped_slots: !std::env::var("SMOE_MAPPED_SLOTS").is_ok_and(|v| v == "0"),
         }
     }
 }
@@ -155,26 +191,8 @@ impl Experts {
     pub fn open(vault: &Vault, opts: &StoreOptions) -> Result<Self, EngineError> {
         let cfg = &vault.header.config;
         let mapped = ExpertStore::new(vault)?;
-        let total = vault
-            .expert_section()
-            .map(|x| x.blob_stride * x.blobs.len() as u64)
-            .unwrap_or(0);
-        let budget = match opts.budget {
-            CacheBudget::Resident => None,
-            CacheBudget::Bytes(b) => Some(b),
-            CacheBudget::Fraction(f) => Some((total as f64 * f) as u64),
-            CacheBudget::Auto => {
-                // Leave room for the scout, activations and the rest of the system.
-                let margin =
-                    (2u64 << 30) + vault.header.tensors.iter().map(|t| t.length).sum::<u64>();
-                Some(
-                    available_memory()
-                        .map_or(4 << 30, |m| m.saturating_sub(margin))
-                        .min(total),
-                )
-            }
-        };
-        let source = match budget {
+        let total = expert_bytes(vault);
+        let source = match opts.budget.bytes(vault) {
             Some(b) if total > 0 => {
                 tracing::info!("expert cache budget {b} bytes of {total}");
                 Source::Streamed(StreamedStore::new(
@@ -211,7 +229,7 @@ impl Experts {
     ) -> Result<(), EngineError> {
         self.note_uses(layer, experts);
         let parts = self.mapped.parts();
-        self.for_each_blob(layer, experts, None, &mut |e, bytes| {
+        self.for_each_blob(layer, experts, (None, &[]), &mut |e, bytes| {
             f(e, Expert::from_blob(parts, bytes))
         })
     }
@@ -232,13 +250,14 @@ impl Experts {
     /// Calls `f(expert, blob)` with each expert's raw blob bytes (any order), without counting
     /// uses (see `note_uses`): the GPU backend copies them into its VRAM slots. Streamed blobs
     /// are `blob_stride` long (O_DIRECT reads into aligned buffers); mapped ones are the blob.
-    /// Streaming, a `sink` gets the blobs read from disk now piece by piece, on the reader
-    /// threads, instead of `f` (see `StreamedStore::for_each_blob`).
+    /// Streaming, a sink (`to.0`) gets the blobs read from disk now piece by piece, on the
+    /// reader threads, instead of `f`, and those with a target (`to.1`) are read straight into
+    /// it (see `StreamedStore::for_each_blob`).
     pub fn for_each_blob(
         &self,
         layer: usize,
         experts: &[usize],
-        sink: Option<&PieceSink>,
+        to: (Option<&PieceSink>, &[(usize, ReadTarget)]),
         f: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<(), EngineError> {
         match &self.source {
@@ -248,9 +267,7 @@ impl Experts {
                 }
                 Ok(())
             }
-            Source::Streamed(s) => {
-                s.for_each_blob(layer, &self.with_blobs(layer, experts), sink, f)
-            }
+            Source::Streamed(s) => s.for_each_blob(layer, &self.with_blobs(layer, experts), to, f),
         }
     }
 

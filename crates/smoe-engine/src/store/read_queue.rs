@@ -19,6 +19,29 @@ use std::time::Instant;
 /// instead of following the last one.
 pub type PieceSink = Arc<dyn Fn(usize, usize, &[u8]) + Send + Sync>;
 
+/// Memory a blob is read straight into instead of a pooled buffer: on unified memory, the
+/// expert's mapped GPU slot (`gpu::slots`), so the bytes move once. Such a blob is handed to
+/// nobody and cached nowhere else.
+#[derive(Clone, Copy)]
+pub struct ReadTarget {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: a target is plain memory that its maker keeps valid and untouched until the read has
+// finished (`ReadTarget::new`); the read's pieces write disjoint ranges of it.
+unsafe impl Send for ReadTarget {}
+unsafe impl Sync for ReadTarget {}
+
+impl ReadTarget {
+    /// # Safety
+    /// `ptr` must be valid for writes of `len` bytes (the blob stride), and neither used nor
+    /// freed by anyone else until the read into it has finished (its layer's wait returned).
+    pub unsafe fn new(ptr: *mut u8, len: usize) -> Self {
+        ReadTarget { ptr, len }
+    }
+}
+
 /// A finished read: the expert key, the verified blob (or why not), seconds from its first
 /// piece's start to its last piece's end.
 pub type ReadResult = (usize, Result<AlignedBuf, EngineError>, f64);
@@ -90,7 +113,7 @@ impl BufPool {
 
     pub fn give(&self, buf: AlignedBuf) {
         let mut free = self.free();
-        if buf.len() == self.len && free.len() < self.keep {
+        if buf.len() == self.len && free.len() < self.keep && !buf.is_borrowed() {
             free.push(buf);
         }
     }
@@ -124,6 +147,8 @@ pub struct BlobRead {
     pool: Arc<BufPool>,
     /// Gets each piece as it is read (`PieceSink`).
     pub sink: Option<PieceSink>,
+    /// Read into this memory instead of a pooled buffer (`ReadTarget`).
+    pub target: Option<ReadTarget>,
 }
 
 impl Drop for BlobRead {
@@ -191,10 +216,14 @@ impl BlobRead {
         (key, layer, expert, blob): (usize, usize, usize, usize),
         offset: u64,
         piece: usize,
-        (priority, sink): (Priority, Option<PieceSink>),
+        (priority, sink, target): (Priority, Option<PieceSink>, Option<ReadTarget>),
         pool: &Arc<BufPool>,
     ) -> Arc<Self> {
         let len = pool.len;
+        assert!(
+            target.is_none_or(|t| t.len == len),
+            "a read target holds one blob"
+        );
         let pieces = len.div_ceil(piece).max(1);
         Arc::new(BlobRead {
             key,
@@ -219,6 +248,7 @@ impl BlobRead {
             done: Condvar::new(),
             pool: pool.clone(),
             sink,
+            target,
         })
     }
 
@@ -239,7 +269,11 @@ impl BlobRead {
         s.next += 1;
         s.started.get_or_insert_with(Instant::now);
         if s.buf.is_none() {
-            s.buf = self.pool.take();
+            s.buf = match self.target {
+                // SAFETY: `ReadTarget::new`'s promise: valid and ours until the read finishes.
+                Some(t) => Some(unsafe { AlignedBuf::borrowed(t.ptr, t.len) }),
+                None => self.pool.take(),
+            };
         }
         let Some(buf) = s.buf.as_mut() else {
             return Some(Err("out of memory for the read buffer".into()));
@@ -471,7 +505,7 @@ mod tests {
     const KIB16: usize = 16 * 1024;
 
     fn read_in(pool: &Arc<BufPool>, key: usize, priority: Priority) -> Arc<BlobRead> {
-        BlobRead::new((key, 0, key, key), 0, KIB16, (priority, None), pool)
+        BlobRead::new((key, 0, key, key), 0, KIB16, (priority, None, None), pool)
     }
 
     fn read(key: usize, pieces: usize, priority: Priority) -> Arc<BlobRead> {

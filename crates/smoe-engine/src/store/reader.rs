@@ -8,6 +8,10 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+/// The alignment of memory and length a direct read needs (a disk's logical block is at most
+/// 4 KiB).
+const DIRECT_ALIGN: usize = 4096;
+
 /// Test hook: return an error to make the read of (layer, expert) fail.
 pub type FaultHook = Arc<dyn Fn(usize, usize) -> Option<io::Error> + Send + Sync>;
 
@@ -40,16 +44,21 @@ impl BlobReader {
     }
 
     /// Reads `dst.len()` bytes (a multiple of 16 KiB) at `offset` (16 KiB aligned) into `dst`
-    /// (16 KiB aligned: a whole `AlignedBuf` or a piece of one). The fault hook is asked once
-    /// per call, i.e. once per piece of a blob.
+    /// (16 KiB aligned: a whole `AlignedBuf` or a piece of one; memory lent by a GPU mapping
+    /// may be less aligned, and is then read through the page cache). The fault hook is asked
+    /// once per call, i.e. once per piece of a blob.
     pub fn read(&self, layer: usize, expert: usize, offset: u64, dst: &mut [u8]) -> io::Result<()> {
         if let Some(err) = self.fault.as_ref().and_then(|f| f(layer, expert)) {
             return Err(err);
         }
-        if self.use_direct.load(Ordering::Relaxed) {
+        let aligned = (dst.as_ptr() as usize).is_multiple_of(DIRECT_ALIGN)
+            && dst.len().is_multiple_of(DIRECT_ALIGN);
+        if aligned && self.use_direct.load(Ordering::Relaxed) {
             let f = self.direct.as_ref().expect("direct handle");
             match f.read_exact_at(dst, offset) {
                 Ok(()) => return Ok(()),
+                // Memory the kernel cannot DMA into (a device mapping): this read only.
+                Err(e) if e.raw_os_error() == Some(libc::EFAULT) => {}
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
                     tracing::info!(
                         "{}: direct read refused, falling back to buffered reads",

@@ -5,7 +5,9 @@
 
 use super::aligned::AlignedBuf;
 use super::cache::ExpertCache;
-use super::read_queue::{Abandoned, BlobRead, BufPool, Finished, PieceSink, Priority, ReadQueue};
+use super::read_queue::{
+    Abandoned, BlobRead, BufPool, Finished, PieceSink, Priority, ReadQueue, ReadTarget,
+};
 use super::reader::{BlobReader, FaultHook};
 use super::stats::StoreStats;
 use crate::error::EngineError;
@@ -89,12 +91,12 @@ impl StreamedStore {
         &self,
         (layer, expert, blob): (usize, usize, usize),
         p: Priority,
-        sink: Option<PieceSink>,
+        (sink, target): (Option<PieceSink>, Option<ReadTarget>),
     ) -> Arc<BlobRead> {
         let entry = &self.vault.expert_section().unwrap().blobs[blob];
         let key = layer * self.n_experts + expert;
         let at = (key, layer, expert, blob);
-        BlobRead::new(at, entry.offset, self.piece, (p, sink), &self.pool)
+        BlobRead::new(at, entry.offset, self.piece, (p, sink, target), &self.pool)
     }
 
     /// Reads one piece of `read` (a reader thread's job) and, after its last piece, verifies
@@ -151,7 +153,7 @@ impl StreamedStore {
         if self.cache.lock().unwrap().contains(key) {
             return Ok(true);
         }
-        let read = self.new_read((layer, expert, blob), Priority::Needed, None);
+        let read = self.new_read((layer, expert, blob), Priority::Needed, (None, None));
         self.queue.push(&read);
         let buf = Arc::new(read.wait().1?);
         Ok(self.insert(key, buf, true))
@@ -167,7 +169,7 @@ impl StreamedStore {
             if cache.contains(key) || pre.contains_key(&key) {
                 continue;
             }
-            let read = self.new_read((layer, e, blob), Priority::Guess, None);
+            let read = self.new_read((layer, e, blob), Priority::Guess, (None, None));
             self.queue.push(&read);
             pre.insert(key, read);
         }
@@ -183,13 +185,15 @@ impl StreamedStore {
     /// (`blob_stride` bytes, verified): cache hits first, then misses in the order they were
     /// queued (lookahead reads first: they started earlier). With a `sink`, the blobs read
     /// afresh go to it piece by piece instead of to `f` (lookahead reads and hits still go to
-    /// `f`), and are verified before this returns. The first failed read is returned after the
-    /// others have drained; nothing from a failed read is cached.
+    /// `f`), and are verified before this returns. A blob read afresh whose expert has a
+    /// `targets` entry is read straight into that memory instead (verified there; neither
+    /// handed to `f` nor cached). The first failed read is returned after the others have
+    /// drained; nothing from a failed read is cached.
     pub fn for_each_blob(
         &self,
         layer: usize,
         experts: &[(usize, usize)],
-        sink: Option<&PieceSink>,
+        (sink, targets): (Option<&PieceSink>, &[(usize, ReadTarget)]),
         f: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<(), EngineError> {
         let mut hits = vec![];
@@ -235,7 +239,12 @@ impl StreamedStore {
         let n_guessed = guessed.len();
         let mut waits = guessed;
         for &(e, blob) in &misses {
-            let read = self.new_read((layer, e, blob), Priority::Needed, sink.cloned());
+            let target = targets.iter().find(|t| t.0 == e).map(|t| t.1);
+            let to = match target {
+                Some(_) => (None, target),
+                None => (sink.cloned(), None),
+            };
+            let read = self.new_read((layer, e, blob), Priority::Needed, to);
             self.queue.push(&read);
             waits.push(read);
         }
@@ -256,6 +265,8 @@ impl StreamedStore {
             wait += t.elapsed().as_secs_f64();
             read_secs += secs;
             match result {
+                // Landed in its target: nothing to hand on or keep.
+                Ok(_) if read.target.is_some() => {}
                 Ok(buf) => {
                     let buf = Arc::new(buf);
                     if read.sink.is_none() {
