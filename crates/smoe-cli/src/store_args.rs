@@ -55,8 +55,7 @@ impl StoreArgs {
     }
 
     pub fn preload(&self, engine: &Engine) -> Result<()> {
-        let experts = engine.model.experts();
-        if !experts.is_streaming() || self.no_profile {
+        if !engine.model.experts().is_streaming() || self.no_profile {
             return Ok(());
         }
         let pb = indicatif::ProgressBar::new(0);
@@ -65,7 +64,7 @@ impl StoreArgs {
                 .unwrap(),
         );
         pb.set_message("preloading");
-        let n = experts.preload(&mut |done, total| {
+        let n = engine.model.preload(&mut |done, total| {
             pb.set_length(total as u64);
             pb.set_position(done as u64);
         })?;

@@ -205,3 +205,72 @@ fn gpu_streaming_faults_fail_the_request_and_nothing_stays_cached() {
         "{err}"
     );
 }
+
+/// A saved usage profile preloads each MoE layer's VRAM slots with its hottest experts: the
+/// next start's first pass finds experts in the slots, and what it computes with them equals
+/// the resident run (the preloaded bytes are the right ones).
+#[test]
+fn a_saved_profile_preloads_the_vram_slots() {
+    if !have_gpu() {
+        return;
+    }
+    let v = TempVault::new("tiny-qwen2moe", DType::Q4);
+    let prompt: Vec<u32> = (3..40).collect();
+    let want = open(&v.0, CacheBudget::Resident)
+        .logprobs(&prompt)
+        .unwrap()
+        .logprobs;
+    let with_profile = |budget| {
+        let store = StoreOptions {
+            budget,
+            profile: true,
+            read_threads: 4,
+            read_piece: DEFAULT_READ_PIECE,
+            fault: None,
+            mapped_slots: true,
+        };
+        let opts = EngineOptions {
+            backend: Backend::Gpu,
+            store,
+            ..Default::default()
+        };
+        Engine::open(&v.0, opts).expect("open")
+    };
+    let budget = CacheBudget::Fraction(0.5);
+    let first = with_profile(budget);
+    assert_eq!(
+        first.model.preload(&mut |_, _| {}).unwrap(),
+        0,
+        "no profile yet"
+    );
+    first.logprobs(&prompt).unwrap();
+    first.model.experts().save_profile().unwrap();
+    drop(first);
+
+    let e = with_profile(budget);
+    let mut calls = 0;
+    let loaded = e.model.preload(&mut |_, _| calls += 1).unwrap();
+    let Model::Gpu(g) = &e.model else {
+        unreachable!()
+    };
+    let c = e.model.config();
+    assert!(
+        loaded >= c.moe_layers().count(),
+        "{loaded} experts preloaded"
+    );
+    assert!(calls > 0);
+    assert_eq!(g.slot_stats().unwrap().misses, 0, "counters start afresh");
+    // One token: with empty slots every expert it routes to would miss.
+    e.logprobs(&prompt[..1]).unwrap();
+    let s = g.slot_stats().unwrap();
+    assert!(
+        s.hits > 0,
+        "the first pass found no preloaded expert: {s:?}"
+    );
+    let got = e.logprobs(&prompt).unwrap().logprobs;
+    let worst = got
+        .iter()
+        .zip(&want)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(worst <= 1e-4, "after preloading: max |Δ log-prob| {worst}");
+}

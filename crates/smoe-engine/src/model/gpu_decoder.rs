@@ -583,6 +583,8 @@ impl GpuDecoder {
                             self.prefetch_guess(st, next, &guess);
                         }
                         let filling = Instant::now();
+                        let used: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
+                        self.experts.note_uses(l, &used);
                         let slots = self.fill_slots(st, l, &ids)?;
                         st.stops.fetch_add(1, Ordering::Relaxed);
                         st.gpu_wait_ns
@@ -840,7 +842,6 @@ impl GpuDecoder {
                 self.cfg.num_experts
             )));
         }
-        self.experts.note_uses(l, &used);
         let mut distinct = used.clone();
         distinct.sort_unstable();
         distinct.dedup();
@@ -946,6 +947,36 @@ impl GpuDecoder {
             st.landed.fetch_add(landed, Ordering::Relaxed);
         }
         Ok(used.iter().map(|&e| slot_of[e].expect("filled")).collect())
+    }
+
+    /// Streaming: fills the host cache (where there is one) and then each MoE layer's VRAM slots
+    /// with the hottest experts of the saved usage profile. `progress(done, total)` counts the
+    /// experts read into the host cache, then (afresh) those placed in slots. Returns how many
+    /// experts were loaded in all (slots and host cache). The slot counters start afresh after.
+    pub fn preload(&self, progress: &mut dyn FnMut(usize, usize)) -> Result<usize, EngineError> {
+        let cached = self.experts.preload(progress)?;
+        let Some(st) = &self.streaming else {
+            return Ok(cached);
+        };
+        let hot = self.experts.hottest();
+        let per_layer: Vec<(usize, Vec<u32>)> = (self.cfg.moe_layers())
+            .map(|l| {
+                let ids = (hot.iter().filter(|h| h.0 == l))
+                    .map(|h| h.1 as u32)
+                    .take(st.slots)
+                    .collect();
+                (l, ids)
+            })
+            .collect();
+        let total = per_layer.iter().map(|p| p.1.len()).sum();
+        let mut done = 0;
+        for (l, ids) in per_layer.iter().filter(|p| !p.1.is_empty()) {
+            self.fill_slots(st, *l, ids)?;
+            done += ids.len();
+            progress(done, total);
+        }
+        self.reset_slot_stats();
+        Ok(cached + done)
     }
 
     /// Starts timing the following forward passes on the GPU (timestamp queries): every step

@@ -106,6 +106,16 @@ impl Model {
 
     /// VRAM expert slots (hits, misses, host time at the router stops) when the GPU backend
     /// streams experts.
+    /// Streaming: loads the hottest experts of the saved usage profile ahead of use — into the
+    /// host cache, and on the GPU into the VRAM expert slots too. `progress(done, total)` after
+    /// each expert. Returns how many were loaded.
+    pub fn preload(&self, progress: &mut dyn FnMut(usize, usize)) -> Result<usize, EngineError> {
+        match self {
+            Model::Decoder(m) => m.experts.preload(progress),
+            Model::Gpu(m) => m.preload(progress),
+        }
+    }
+
     pub fn vram_slot_stats(&self) -> Option<gpu_decoder::SlotStats> {
         match self {
             Model::Gpu(m) => m.slot_stats(),

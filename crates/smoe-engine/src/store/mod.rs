@@ -334,6 +334,11 @@ impl Experts {
         )
     }
 
+    /// The saved profile's `(layer, expert)`s, hottest first (empty without a profile).
+    pub fn hottest(&self) -> Vec<(usize, usize)> {
+        self.saved_profile().map_or(vec![], |p| p.hottest())
+    }
+
     /// Reads the hottest experts of the saved profile into the cache, pinned, until the budget is
     /// full. `progress(done, total)` is called after each. Returns how many were loaded.
     pub fn preload(&self, progress: &mut dyn FnMut(usize, usize)) -> Result<usize, EngineError> {
