@@ -340,9 +340,11 @@ impl GpuDecoder {
             st.lands = mapped && lands;
             tracing::info!(
                 "GPU backend: expert slots filled {}",
-                match mapped {
-                    true => "by the host through a mapping (one copy per blob, no staging)",
-                    false => "through wgpu's staging memory (write_buffer, then a GPU copy)",
+                match (mapped, st.lands) {
+                    (true, true) => "by disk reads landing in them (unified memory: no host cache)",
+                    (true, false) =>
+                        "by the host through a mapping (one copy per blob, no staging)",
+                    (false, _) => "through wgpu's staging memory (write_buffer, then a GPU copy)",
                 }
             );
         }
