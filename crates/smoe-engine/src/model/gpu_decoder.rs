@@ -267,7 +267,7 @@ impl GpuDecoder {
             .contains(wgpu::Features::MAPPABLE_PRIMARY_BUFFERS);
         let lands = unified && mappable && store.mapped_slots;
         let budget = store.budget.bytes(vault);
-        let experts = match budget {
+        let mut experts = match budget {
             None => {
                 let no_profile = StoreOptions {
                     profile: false,
@@ -338,6 +338,10 @@ impl GpuDecoder {
                 (cfg.moe_layers()).all(|l| weights.expert_slots(l).is_some_and(|s| s.mappable));
             st.mapped = mapped;
             st.lands = mapped && lands;
+            if lands && !mapped {
+                // The slots could not be mapped after all: give the store its cache back.
+                experts = Experts::open(vault, store)?;
+            }
             tracing::info!(
                 "GPU backend: expert slots filled {}",
                 match (mapped, st.lands) {
