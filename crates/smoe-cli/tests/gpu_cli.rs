@@ -102,7 +102,11 @@ fn bench_kernels_reports_ratios_to_copy() {
     ]));
     assert!(v["copy_gb_per_s"].as_f64().unwrap() > 0.0, "{v}");
     let rows = v["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 8, "2 shapes × 4 types: {v}");
+    assert_eq!(
+        rows.len(),
+        12,
+        "3 shapes (dense, gate_up, down) × 4 types: {v}"
+    );
     for r in rows {
         let (gbps, ratio) = (
             r["gb_per_s"].as_f64().unwrap(),

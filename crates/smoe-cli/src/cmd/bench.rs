@@ -87,6 +87,7 @@ fn kernels(a: KernelArgs) -> Result<()> {
         vec![
             BenchShape::dense("small", 512, 1024),
             BenchShape::experts("experts x8", 256, 1024, 8, 16),
+            BenchShape::experts_down("experts down x8", 1024, 128, 8, 16),
         ]
     } else {
         qwen3_shapes()
@@ -136,8 +137,8 @@ fn kernels(a: KernelArgs) -> Result<()> {
         } else {
             // The launch shape MatVec::new picks for this shape.
             let grouped = shape.experts > 0;
-            let tune = match (grouped, shape.reduce) {
-                (true, true) => MatVecTuning::for_product(shape.rows, 1, true, true),
+            let tune = match (grouped, shape.down) {
+                (true, true) => MatVecTuning::for_shape(shape.rows, shape.experts, true),
                 (true, false) => MatVecTuning::for_shape(shape.rows / 2, shape.experts, true),
                 (false, _) => MatVecTuning::for_shape(shape.rows, 1, false),
             };

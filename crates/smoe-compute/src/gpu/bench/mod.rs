@@ -17,7 +17,7 @@ use super::attn_prefill::PrefillAttnTuning;
 use super::buffers::{Binding, BufRef};
 use super::context::{GpuContext, GpuError};
 use super::matmul::MatMulTuning;
-use super::matvec::{Fuse, Grouped, MatVec, MatVecDesc, MatVecTuning, WeightRef};
+use super::matvec::{Fuse, Grouped, MatVec, MatVecDesc, MatVecTuning, SumTail, WeightRef};
 use super::ops::Dispatch;
 pub use prefill::pseudo_random_ids;
 use prefill::{bench_prefill, host_weights, Kernel};
@@ -40,9 +40,11 @@ pub struct BenchShape {
     pub stack: usize,
     pub tokens: usize,
     pub gated: bool,
-    /// Decode shapes with `experts > 0`: the down projection instead of gate_up: `rows` output
-    /// rows, each token's experts summed with router weights into them (`Fuse::reduce`).
-    pub reduce: bool,
+    /// Decode shapes with `experts > 0`: the down projection instead of gate_up, as the engine
+    /// runs it: each slot's `rows` outputs from its own input, then (in the last workgroup of
+    /// each row block, `Fuse::sum_into`, where the adapter fuses tails) the token's slots
+    /// summed with router weights into a residual.
+    pub down: bool,
     /// Causal attention of the chunk instead of a projection (`rows`, `cols` unused).
     pub attention: Option<AttnBench>,
 }
@@ -68,7 +70,7 @@ impl BenchShape {
             stack: 0,
             tokens: 0,
             gated: false,
-            reduce: false,
+            down: false,
             attention: None,
         }
     }
@@ -81,12 +83,12 @@ impl BenchShape {
             stack,
             tokens: 0,
             gated: false,
-            reduce: false,
+            down: false,
             attention: None,
         }
     }
-    /// The experts' down projection of one token: `experts` of `stack` experts, summed into
-    /// `rows` outputs with router weights.
+    /// The experts' down projection of one token: `experts` of `stack` experts, each its own
+    /// `rows` outputs, summed with router weights into a residual (`BenchShape::down`).
     pub fn experts_down(
         name: &str,
         rows: usize,
@@ -95,7 +97,7 @@ impl BenchShape {
         stack: usize,
     ) -> Self {
         BenchShape {
-            reduce: true,
+            down: true,
             ..Self::experts(name, rows, cols, experts, stack)
         }
     }
@@ -579,8 +581,8 @@ fn bench_matvec(
     iters: usize,
 ) -> Result<(u64, f64), GpuError> {
     let (rows, cols) = (shape.rows, shape.cols);
-    // A reduce reads one input per expert.
-    let x_rows = if shape.reduce { shape.experts } else { 1 };
+    // The down projection reads one input per slot.
+    let x_rows = if shape.down { shape.experts } else { 1 };
     let x = ctx.upload_f32("bench x", &vec![0.01f32; cols * x_rows]);
     let wts = ctx.upload_f32(
         "bench router weights",
@@ -588,7 +590,7 @@ fn bench_matvec(
     );
     let stride = dtype.row_stride(cols) as u64;
     let grouped = shape.experts > 0;
-    let gated = grouped && !shape.reduce;
+    let gated = grouped && !shape.down;
     // Grouped gate_up: each expert holds gate then up, `rows / 2` rows each.
     let out_rows = if gated { rows / 2 } else { rows };
     let mat_bytes = out_rows as u64 * stride * if gated { 2 } else { 1 };
@@ -603,6 +605,7 @@ fn bench_matvec(
         )));
     }
     let y = ctx.storage_buffer("bench y", 4 * (out_rows * shape.experts.max(1)) as u64);
+    let residual = ctx.storage_buffer("bench residual", 4 * out_rows as u64);
     let mut kernels = vec![];
     let mut keep = vec![];
     for c in 0..copies {
@@ -633,13 +636,17 @@ fn bench_matvec(
                 n_slots: shape.experts,
                 n_mats,
                 mat_stride: mat_bytes,
-                x_per_slot: shape.reduce,
+                x_per_slot: shape.down,
                 slots_per_x: 1,
             }),
         };
+        let sum = SumTail {
+            acc: BufRef::new(&residual),
+            weights: BufRef::new(&wts),
+            k: shape.experts,
+        };
         let fuse = Fuse {
-            accumulate: shape.reduce,
-            reduce: shape.reduce.then_some((BufRef::new(&wts), shape.experts)),
+            sum_into: (shape.down && ctx.fused_tails()).then_some(sum),
             ..Fuse::default()
         };
         kernels.push(MatVec::fused_tuned(ctx, &desc, &fuse, tuning)?);
