@@ -3,6 +3,8 @@
 //! and `auto` runs on the CPU. With no adapter the GPU checks print `skipped: no GPU adapter`,
 //! unless `SMOE_REQUIRE_GPU=1`, which turns that into a failure.
 
+use smoe_compute::gpu::wgpu;
+use std::path::Path;
 use std::process::{Command, Output};
 
 fn smoe(args: &[&str]) -> Output {
@@ -205,4 +207,61 @@ fn bench_decode_streaming_reports_the_router_stops() {
     assert!(f("hits") + f("misses") > 0.0, "{v}");
     assert!(f("pass_s") >= f("gpu_wait_s") + f("fill_s"), "{v}");
     assert!(f("fill_s") >= f("upload_s"), "{v}");
+    // Slots the host maps where the device offers it; on unified memory (lavapipe in CI) disk
+    // reads land in them.
+    let ctx = smoe_compute::gpu::GpuContext::new().unwrap();
+    let info = ctx.info();
+    let mappable = (info.features).contains(wgpu::Features::MAPPABLE_PRIMARY_BUFFERS);
+    assert_eq!(s["mapped"].as_bool(), Some(mappable), "{v}");
+    let unified = matches!(
+        info.adapter.device_type,
+        wgpu::DeviceType::IntegratedGpu | wgpu::DeviceType::Cpu
+    );
+    assert_eq!(f("landed") > 0.0, mappable && unified, "{v}");
+}
+
+/// A GPU run with `--expert-cache` saves the usage profile beside the vault, and the next start
+/// preloads from it (into the VRAM slots too) and says so.
+#[test]
+fn gpu_streaming_preloads_from_the_saved_profile() {
+    if !have_gpu() {
+        return;
+    }
+    let d = std::env::temp_dir().join(format!("smoe-gpu-cli-{}-profile", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    let vault = d.join("demo.smoe");
+    let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/demo-qwen3-moe.smoe");
+    std::fs::copy(demo, &vault).unwrap();
+    let vs = vault.to_str().unwrap();
+    let run = || {
+        let out = smoe(&[
+            "generate",
+            "-m",
+            vs,
+            "--backend",
+            "gpu",
+            "--expert-cache",
+            "25%",
+            "--prompt",
+            "Hello there",
+            "-n",
+            "4",
+            "--temperature",
+            "0",
+            "-v",
+        ]);
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{err}");
+        err
+    };
+    let first = run();
+    assert!(!first.contains("preloaded"), "{first}");
+    assert!(
+        d.join("demo.smoe.profile").exists(),
+        "no profile saved: {first}"
+    );
+    let second = run();
+    assert!(second.contains("preloaded"), "{second}");
+    let _ = std::fs::remove_dir_all(&d);
 }
