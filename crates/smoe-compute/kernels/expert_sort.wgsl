@@ -1,11 +1,14 @@
 // Groups routed slots by expert for the grouped GEMM (CPU twin: a stable counting sort).
 //
-// In: ids[s], the expert of slot s (slot t·k + j is token t's j-th choice). Out: perm, the slot
-// indices ordered by expert and, within an expert, by slot (so the result is deterministic), and
-// starts[e] = the index in perm of expert e's first slot (starts[n_mats] = n_slots); and the
-// GEMM's work list: units[0] = the count of work units, units[1 + u] = unit u = (e << 20) | i,
-// token tile i (perm[starts[e] + i·TILE ..], at most TILE slots) of expert e, ordered by
-// (e, i). One GEMM workgroup per unit keeps a popular expert from serialising its tiles.
+// In: ids[s], the expert of slot s (slot t·k + j is token t's j-th choice), or an id ≥ n_mats
+// for a slot to skip (a streaming GPU runs a batch's experts in rounds: the slots of the other
+// rounds' experts are skipped, and their outputs keep what an earlier round wrote). Out: perm,
+// the slot indices ordered by expert and, within an expert, by slot (so the result is
+// deterministic), skipped slots last; starts[e] = the index in perm of expert e's first slot
+// (starts[n_mats] = the count of slots not skipped); and the GEMM's work list: units[0] = the
+// count of work units, units[1 + u] = unit u = (e << 20) | i, token tile i
+// (perm[starts[e] + i·TILE ..], at most TILE slots) of expert e < n_mats, ordered by (e, i).
+// One GEMM workgroup per unit keeps a popular expert from serialising its tiles.
 //
 // One workgroup sorts keys (expert << 20 | slot) with a bitonic network in workgroup memory:
 // every key is distinct, so the order is total and the network's result unique — unlike
@@ -41,9 +44,10 @@ fn main(@builtin(local_invocation_index) li: u32) {
     for (var i = li; i < KEYS; i += WG) {
         var k = 0xffffffffu; // padding sorts last
         if i < p.n_slots {
-            // Clamped so that a bad id can never send the GEMM outside the weight stack (kernels
-            // run without bounds checks in release builds); ids < n_mats are the contract.
-            k = (min(ids[p.ids_off + i], p.n_mats - 1u) << SLOT_BITS) | i;
+            // Ids ≥ n_mats all sort into bucket n_mats, which gets no work unit: so no id can
+            // send the GEMM outside the weight stack (kernels run without bounds checks in
+            // release builds).
+            k = (min(ids[p.ids_off + i], p.n_mats) << SLOT_BITS) | i;
         }
         keys[i] = k;
     }
@@ -67,6 +71,7 @@ fn main(@builtin(local_invocation_index) li: u32) {
     }
     // perm, and starts from the boundaries: index j opens experts prev + 1 ..= e (prev being the
     // expert at j - 1, or -1); j = n_slots closes the rest. Each starts[e] is written once.
+    // (Skipped slots form bucket n_mats, so starts[n_mats] lands on the first of them.)
     for (var j = li; j <= p.n_slots; j += WG) {
         var e = p.n_mats;
         if j < p.n_slots {
@@ -88,8 +93,9 @@ fn main(@builtin(local_invocation_index) li: u32) {
     workgroupBarrier();
     for (var i = li; i < KEYS; i += WG) {
         var f = 0u;
-        if i < p.n_slots {
-            f = select(0u, 1u, (i - starts[keys[i] >> SLOT_BITS]) % TILE == 0u);
+        let e = keys[i] >> SLOT_BITS;
+        if i < p.n_slots && e < p.n_mats {
+            f = select(0u, 1u, (i - starts[e]) % TILE == 0u);
         }
         keys[i] = f;
     }
@@ -120,9 +126,9 @@ fn main(@builtin(local_invocation_index) li: u32) {
     // keys[j] is now the number of tiles opened before position j. The expert of position j is
     // that of its slot (perm[j] was written above, ids clamped as for the keys).
     for (var j = li; j < p.n_slots; j += WG) {
-        let e = min(ids[p.ids_off + perm[j]], p.n_mats - 1u);
-        let r = j - starts[e];
-        if r % TILE == 0u {
+        let e = min(ids[p.ids_off + perm[j]], p.n_mats);
+        let r = j - starts[min(e, p.n_mats - 1u)];
+        if e < p.n_mats && r % TILE == 0u {
             // The min only guards the buffer (kernels run unchecked): the count never exceeds
             // max_units.
             units[1u + min(keys[j], p.max_units - 1u)] = (e << SLOT_BITS) | (r / TILE);

@@ -14,8 +14,9 @@ struct Params {
     max_units: u32,
 }
 
-/// Most experts a sort handles (the expert id takes 12 bits of a sort key).
-pub const SORT_MAX_EXPERTS: usize = 4096;
+/// Most experts a sort handles (the expert id takes 12 bits of a sort key, and the bucket of
+/// skipped slots, `n_mats`, must fit them too).
+pub const SORT_MAX_EXPERTS: usize = 4095;
 /// Most slots a sort handles (20 bits of a sort key); workgroup memory limits them further to
 /// the largest power of two ≤ `max_compute_workgroup_storage_size / 4` (4096 at 16 KiB, 8192 at
 /// 32 and 48 KiB).
@@ -32,7 +33,11 @@ pub const SORT_MAX_SLOTS: usize = 1 << 20;
 ///   with `c > 0` slots has `ceil(c / tile)` units. The GEMM runs one workgroup per unit, so a
 ///   popular expert's tiles run side by side instead of one after another.
 ///
-/// Deterministic (a sort of distinct keys). An id `≥ n_mats` is treated as `n_mats - 1`.
+/// Deterministic (a sort of distinct keys). A slot whose id is `≥ n_mats` is skipped: it sorts
+/// after all others (`perm[starts[n_mats]..]`; `starts[n_mats]` is then the count of the other
+/// slots) and gets no work unit, so a grouped `MatMul` leaves its output rows as they were.
+/// The streaming GPU decoder uses that to run a batch's experts in rounds when they do not all
+/// fit its VRAM slots at once.
 pub struct ExpertSort {
     d: Dispatch,
     starts: wgpu::Buffer,

@@ -74,17 +74,19 @@ fn rand_ids(n: usize, n_mats: usize, seed: u64) -> Vec<u32> {
         .collect()
 }
 
-/// The CPU twin of the sort: (starts, perm) of a stable counting sort.
+/// The CPU twin of the sort: (starts, perm) of a stable counting sort; ids ≥ n_mats (skipped
+/// slots) sort last and are not counted in `starts`.
 fn sort_twin(ids: &[u32], n_mats: usize) -> (Vec<u32>, Vec<u32>) {
     let mut starts = vec![0u32; n_mats + 1];
-    for &e in ids {
+    for &e in ids.iter().filter(|&&e| (e as usize) < n_mats) {
         starts[e as usize + 1] += 1;
     }
     for e in 0..n_mats {
         starts[e + 1] += starts[e];
     }
     let mut perm: Vec<u32> = (0..ids.len() as u32).collect();
-    perm.sort_by_key(|&s| ids[s as usize]); // stable: ascending slots within an expert
+    // Stable: ascending slots within an expert.
+    perm.sort_by_key(|&s| (ids[s as usize] as usize).min(n_mats));
     (starts, perm)
 }
 
@@ -133,6 +135,16 @@ fn expert_sort_matches_stable_counting_sort() {
     // A skewed router: a few hot experts, the rest rare.
     cases.push((rand_ids(512, 8, 5).iter().map(|e| e * e).collect(), 50));
     cases.push((skewed_ids(4096, 128, 6), 128));
+    // Skipped slots (ids ≥ n_mats: another round's experts), a third of them, and all.
+    let skip = |ids: Vec<u32>, n_mats: u32| -> Vec<u32> {
+        let marks = rand_ids(ids.len(), 3, 9);
+        (ids.iter().zip(marks))
+            .map(|(&e, m)| if m == 0 { n_mats + m + e % 2 * 1000 } else { e })
+            .collect()
+    };
+    cases.push((skip(rand_ids(4096, 128, 10), 128), 128));
+    cases.push((skip(rand_ids(300, 16, 11), 16), 16));
+    cases.push((vec![u32::MAX; 64], 8));
     for (i, (ids, n_mats)) in cases.iter().enumerate() {
         // Tiles: 1 (a unit per slot), the GEMM's, and one no GEMM takes.
         for tile in [1, 16, 48, 64, 128, 7] {
@@ -175,6 +187,8 @@ fn expert_sort_rejects_what_it_cannot_hold() {
     assert!(ExpertSort::new(ctx, BufRef::new(&buf), 0, 4, 16).is_err());
     assert!(ExpertSort::new(ctx, BufRef::new(&buf), 4, 0, 16).is_err());
     assert!(ExpertSort::new(ctx, BufRef::new(&buf), 4, 5000, 16).is_err());
+    // 4096 experts would leave the skipped slots' bucket no room in a key.
+    assert!(ExpertSort::new(ctx, BufRef::new(&buf), 4, 4096, 16).is_err());
     let e = ExpertSort::new(ctx, BufRef::new(&buf), 4, 4, 0)
         .err()
         .unwrap();
@@ -376,7 +390,12 @@ fn run_grouped(ctx: &GpuContext, c: &Group, tune: Option<MatMulTuning>) {
     let x_rows = n_slots.div_ceil(c.x_div);
     let x = rand_vec(x_rows * cols, c.seed + 7, 1.0);
     let mut want = vec![0f32; n_slots * rows];
+    // Slots with an id ≥ n_mats are skipped: their rows keep the poison.
+    let skipped = |s: usize| c.ids[s] as usize >= c.n_mats;
     for (s, &e) in c.ids.iter().enumerate() {
+        if skipped(s) {
+            continue;
+        }
         let xs = &x[s / c.x_div * cols..(s / c.x_div + 1) * cols];
         let out = &mut want[s * rows..(s + 1) * rows];
         let m = &mats[e as usize];
@@ -428,12 +447,48 @@ fn run_grouped(ctx: &GpuContext, c: &Group, tune: Option<MatMulTuning>) {
         c.x_div,
         mm.tuning()
     );
-    let got = ctx.read_f32(&ybuf, 0, n_slots * rows).unwrap();
-    assert_close(&what, &got, &want, tolerance(mm.tuning()));
+    let all = ctx.read_f32(&ybuf, 0, n_slots * rows).unwrap();
+    let (mut got, mut kept) = (vec![], vec![]);
+    for s in 0..n_slots {
+        let r = s * rows..(s + 1) * rows;
+        match skipped(s) {
+            true => assert!(all[r].iter().all(|v| v.is_nan()), "{what}: wrote slot {s}"),
+            false => {
+                got.extend_from_slice(&all[r.clone()]);
+                kept.extend_from_slice(&want[r]);
+            }
+        }
+    }
+    assert_close(&what, &got, &kept, tolerance(mm.tuning()));
     let tail = ctx
         .read_f32(&ybuf, 4 * (n_slots * rows) as u64, 16)
         .unwrap();
     assert!(tail.iter().all(|v| v.is_nan()), "{what}: wrote past y");
+}
+
+/// A streaming GPU runs a batch's experts in rounds: the slots of other rounds' experts carry
+/// ids ≥ n_mats, get no work, and keep their outputs.
+#[test]
+fn matmul_grouped_skips_slots_of_other_rounds() {
+    let Some(ctx) = gpu() else { return };
+    for (i, (gated, x_div)) in [(true, 4), (false, 1)].into_iter().enumerate() {
+        let n_mats = 12;
+        let ids: Vec<u32> = rand_ids(200, n_mats, 40 + i as u64)
+            .iter()
+            .map(|&e| if e % 3 == 0 { u32::MAX - e } else { e })
+            .collect();
+        let c = Group {
+            dtype: DType::Q4,
+            rows: 64,
+            cols: 128,
+            n_mats,
+            ids,
+            x_div,
+            gated,
+            seed: 50 + i as u64,
+        };
+        run_grouped(ctx, &c, None);
+    }
 }
 
 #[test]
