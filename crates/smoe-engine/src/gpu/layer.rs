@@ -96,6 +96,11 @@ pub(crate) struct LayerOps {
     /// MoE layers: where in `post` the expert dispatches begin (after the router), so that a
     /// streaming pass can stop there, read the ids and fill the expert slots.
     pub experts_at: Option<usize>,
+    /// Batches on the GEMM path: the ops of `post` that multiply by the experts (the sort and
+    /// the two grouped GEMMs, before the weighted sum). A streaming batch whose experts do not
+    /// all fit the VRAM slots runs them once per round of experts, the slots of the other
+    /// rounds' experts skipped (`ExpertSort`), then the sum over all of them.
+    pub expert_rounds: Option<std::ops::Range<usize>>,
     /// Streaming lookahead (recorded at that stop): the next MoE layer's router and top-k on
     /// this layer's normed input, into `Acts::ahead` — a prediction of the experts it will
     /// want, so their reads can start while this layer's run.
@@ -413,6 +418,7 @@ impl LayerOps {
         );
         let input = b.input(n == 1 && !shared_expert, &w.post_norm, eps, &mut post)?;
         let mut experts_at = None;
+        let mut expert_rounds = None;
         let mut lookahead = vec![];
         match &w.ffn {
             FfnW::Dense(m) => b.mlp(m, input, true, &mut post)?,
@@ -482,8 +488,10 @@ impl LayerOps {
                     let (hn, eo) = (BufRef::new(&a.hn), BufRef::new(&a.eo));
                     let gate_up = b.mm("experts gate_up", gate, up, hn, gu, Some(by(k)))?;
                     let down = b.mm("experts down", down, None, gu, eo, Some(by(1)))?;
+                    let start = post.len();
                     post.push(Op::new("expert sort", sort));
                     post.extend([gate_up, down]);
+                    expert_rounds = Some(start..post.len());
                     post.push(b.add_to_x("experts sum", eo, rw, k)?);
                 } else {
                     let grouped_gu = Some(grouped(k));
@@ -527,6 +535,7 @@ impl LayerOps {
             pre,
             post,
             experts_at,
+            expert_rounds,
             lookahead,
         })
     }

@@ -20,8 +20,8 @@
 use super::{mat, Logits};
 use crate::error::EngineError;
 use crate::gpu::{
-    self, Acts, FfnW, GpuKv, Head, KvPool, LayerOps, Readback, Recorder, SlotWriter, Weights,
-    LOGIT_ROWS, T_MAX,
+    self, Acts, FfnW, GpuKv, Head, KvPool, LayerOps, Op, Readback, Recorder, SlotWriter, Weights,
+    GEMM_MIN, LOGIT_ROWS, T_MAX,
 };
 use crate::kv_cache::KvCache;
 use crate::rope::RopeTable;
@@ -113,13 +113,16 @@ impl Profiling {
 
 /// GPU expert streaming. Per MoE layer the GPU holds `slots` expert blobs (at the blob stride);
 /// a forward pass stops after each MoE layer's router, reads back the chosen ids (one submit +
-/// wait per MoE layer), makes sure those experts sit in slots (misses: bytes from `experts`,
-/// copied with `queue.write_buffer` into least recently used slots), and writes the slot indices
-/// into the ids buffer for the grouped expert matvecs. Results do not depend on the slots: the
-/// same bytes are multiplied, and outputs are summed by top-k position.
+/// wait per MoE layer), makes sure those experts sit in slots (misses: bytes from `experts`
+/// into least recently used slots, `gpu::slots`), and writes the slot indices into the ids
+/// buffer for the grouped expert products. A batch on the GEMM path whose experts outnumber the
+/// slots runs them in rounds (`fill_in_rounds`); a smaller batch is kept small enough to fit.
+/// Results do not depend on the slots: the same bytes are multiplied, each slot's product alone,
+/// and outputs are summed by top-k position.
 struct Streaming {
     slots: usize,
-    /// The largest batch whose n·k experts always fit in the slots.
+    /// The largest batch whose n·k experts always fit in the slots (for batches below the
+    /// GEMM path's `GEMM_MIN` tokens, which cannot run in rounds).
     max_piece: usize,
     /// Every MoE layer's slots are filled through a mapping (`SlotWriter::Mapped`).
     mapped: bool,
@@ -174,6 +177,18 @@ struct SlotTable {
     held: Vec<Vec<(Option<usize>, u64)>>,
     clock: u64,
 }
+
+/// The distinct values of `ids`, ascending.
+fn distinct(ids: &[u32]) -> Vec<u32> {
+    let mut v = ids.to_vec();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+/// A slot id that the expert sort skips (`ExpertSort`: any id ≥ the slot count): a slot of
+/// another round's expert.
+const SKIP_SLOT: u32 = u32::MAX;
 
 /// Bytes per copy when the forward pass's thread copies a whole blob into a slot (on several
 /// threads: one copies ~10 GB/s).
@@ -294,7 +309,7 @@ impl GpuDecoder {
                 let fit = (slots / k).clamp(1, T_MAX);
                 let max_piece = 1 << (usize::BITS - 1 - fit.leading_zeros());
                 tracing::info!(
-                    "GPU backend: streaming experts, {slots} of {} slots per MoE layer in VRAM, batches of ≤ {max_piece} tokens",
+                    "GPU backend: streaming experts, {slots} of {} slots per MoE layer in VRAM; batches of {GEMM_MIN}+ tokens run their experts in rounds of ≤ {slots}, smaller ones ≤ {max_piece} tokens",
                     cfg.num_experts
                 );
                 let layers = cfg.num_layers;
@@ -510,8 +525,13 @@ impl GpuDecoder {
         let mut done = 0;
         while done < tokens.len() {
             let mut n = gpu::piece_len(tokens.len() - done);
+            // Streaming: a batch on the GEMM path runs its experts in rounds when they do not
+            // fit the slots (`fill_in_rounds`), so a prompt chunk reads each expert once; a
+            // smaller batch's experts must fit at once.
             if let Some(st) = &self.streaming {
-                n = n.min(st.max_piece);
+                if n < GEMM_MIN {
+                    n = n.min(st.max_piece);
+                }
             }
             if end == End::Logits(Logits::All) {
                 n = n.min(LOGIT_ROWS);
@@ -591,7 +611,13 @@ impl GpuDecoder {
                         let filling = Instant::now();
                         let used: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
                         self.experts.note_uses(l, &used);
-                        let slots = self.fill_slots(st, l, &ids)?;
+                        let ops = &layers[l];
+                        let slots = match ops.expert_rounds.clone() {
+                            Some(r) if distinct(&ids).len() > st.slots => {
+                                self.fill_in_rounds(st, l, &ids, &ops.post[r])?
+                            }
+                            _ => self.fill_slots(st, l, &ids)?,
+                        };
                         st.stops.fetch_add(1, Ordering::Relaxed);
                         st.gpu_wait_ns
                             .fetch_add(nanos(filling - waiting), Ordering::Relaxed);
@@ -828,6 +854,48 @@ impl GpuDecoder {
         want.dedup();
         drop(t);
         self.experts.prefetch_after(next, &want);
+    }
+
+    /// Streaming, a batch on the GEMM path whose distinct experts outnumber the slots of MoE
+    /// layer `l`: the experts in rounds of at most `slots`, in id order. Every round but the last
+    /// runs here: its experts fill the slots, `ops` (the expert sort and grouped GEMMs) run with
+    /// the other rounds' slots marked to skip, and the GPU finishes before the next round
+    /// refills the slots. Returns the last round's slot ids (others marked to skip) for the
+    /// pass's own expert products, after which the weighted sum adds every slot's output. Each
+    /// slot's output is the same product as in one round (the GEMMs compute each slot alone),
+    /// and every expert is read once per batch.
+    fn fill_in_rounds(
+        &self,
+        st: &Streaming,
+        l: usize,
+        ids: &[u32],
+        ops: &[Op],
+    ) -> Result<Vec<u32>, EngineError> {
+        let experts = distinct(ids);
+        let rounds: Vec<&[u32]> = experts.chunks(st.slots).collect();
+        for (i, round) in rounds.iter().enumerate() {
+            let slots = self.fill_slots(st, l, round)?;
+            let of_round: Vec<u32> = (ids.iter())
+                .map(|e| round.binary_search(e).map_or(SKIP_SLOT, |j| slots[j]))
+                .collect();
+            if i + 1 == rounds.len() {
+                return Ok(of_round);
+            }
+            let q = &self.ctx.queue;
+            q.write_buffer(&self.acts.ids, 0, bytemuck::cast_slice(&of_round));
+            let mut enc = self.ctx.encoder();
+            {
+                let pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some("expert round"),
+                    timestamp_writes: None,
+                });
+                let mut r = Recorder::new(pass, None, false, false);
+                ops.iter().for_each(|op| op.record(&mut r));
+                r.end();
+            }
+            self.ctx.submit_wait(enc);
+        }
+        unreachable!("a batch has at least one expert")
     }
 
     /// Streaming: makes sure the experts in `ids` (router order, `[n][k]`) of MoE layer `l` sit
