@@ -901,8 +901,9 @@ impl GpuDecoder {
     /// Streaming: makes sure the experts in `ids` (router order, `[n][k]`) of MoE layer `l` sit
     /// in its VRAM slots, and returns their slot indices in the same order. Misses take the
     /// least recently used slots not needed by this batch, and their bytes come from the store
-    /// (host cache or an O_DIRECT read) through `queue.write_buffer`, which lands before the
-    /// next submission. A failed read leaves no slot claiming the expert.
+    /// (host cache, lookahead read or an O_DIRECT read) through a `SlotWriter`: copied into the
+    /// mapped slot, read straight into it (unified memory), or `queue.write_buffer`, which
+    /// lands before the next submission. A failed read leaves no slot claiming the expert.
     fn fill_slots(&self, st: &Streaming, l: usize, ids: &[u32]) -> Result<Vec<u32>, EngineError> {
         let slots = self
             .weights
@@ -916,9 +917,7 @@ impl GpuDecoder {
                 self.cfg.num_experts
             )));
         }
-        let mut distinct = used.clone();
-        distinct.sort_unstable();
-        distinct.dedup();
+        let distinct: Vec<usize> = distinct(ids).into_iter().map(|e| e as usize).collect();
         let mut t = st.table.lock().unwrap_or_else(|e| e.into_inner());
         t.clock += 1;
         let now = t.clock;
