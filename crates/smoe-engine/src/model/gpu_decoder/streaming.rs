@@ -1,0 +1,386 @@
+//! GPU expert streaming (`--expert-cache` below resident): VRAM expert slots per MoE layer,
+//! filled at each MoE layer's router stop from the streaming store — misses, lookahead guesses,
+//! rounds of experts for prompt batches that outnumber the slots, the profile preload — and
+//! what the host's time at the stops went to (`SlotStats`).
+
+use super::{nanos, GpuDecoder};
+use crate::error::EngineError;
+use crate::gpu::{Op, Readback, Recorder, SlotWriter, T_MAX};
+use crate::store::{PieceSink, ReadTarget};
+use smoe_compute::gpu::{wgpu, GpuContext};
+use smoe_vault::ModelConfig;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+/// GPU expert streaming. Per MoE layer the GPU holds `slots` expert blobs (at the blob stride);
+/// a forward pass stops after each MoE layer's router, reads back the chosen ids (one submit +
+/// wait per MoE layer), makes sure those experts sit in slots (misses: bytes from `experts`
+/// into least recently used slots, `gpu::slots`), and writes the slot indices into the ids
+/// buffer for the grouped expert products. A batch on the GEMM path whose experts outnumber the
+/// slots runs them in rounds (`fill_in_rounds`); a smaller batch is kept small enough to fit.
+/// Results do not depend on the slots: the same bytes are multiplied, each slot's product alone,
+/// and outputs are summed by top-k position.
+pub(super) struct Streaming {
+    pub(super) slots: usize,
+    /// The largest batch whose n·k experts always fit in the slots (for batches below the
+    /// GEMM path's `GEMM_MIN` tokens, which cannot run in rounds).
+    pub(super) max_piece: usize,
+    /// Every MoE layer's slots are filled through a mapping (`SlotWriter::Mapped`).
+    pub(super) mapped: bool,
+    /// ... and disk reads land in them (unified memory; the store keeps no cache).
+    pub(super) lands: bool,
+    /// Blobs read straight into a slot.
+    landed: AtomicU64,
+    table: Mutex<SlotTable>,
+    pub(super) ids: Readback,
+    /// The lookahead router's ids (`LayerOps::lookahead`).
+    pub(super) ahead: Readback,
+    hits: AtomicU64,
+    misses: AtomicU64,
+    /// Nanoseconds the host spent, per kind (`SlotStats`).
+    pub(super) gpu_wait_ns: AtomicU64,
+    pub(super) fill_ns: AtomicU64,
+    upload_ns: AtomicU64,
+    pub(super) pass_ns: AtomicU64,
+    pub(super) stops: AtomicU64,
+}
+
+/// What the streaming GPU path did since load (or `reset_slot_stats`): VRAM slot hits and misses
+/// (distinct experts per layer and batch), and where the host's time went at the router stops.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct SlotStats {
+    pub hits: u64,
+    pub misses: u64,
+    /// Router stops (one submission and wait per MoE layer and batch).
+    pub stops: u64,
+    /// Waiting for the GPU to reach a router stop (its compute, and the submission's latency).
+    pub gpu_wait_s: f64,
+    /// Filling slots: reads waited for, plus the uploads below.
+    pub fill_s: f64,
+    /// Copying whole blobs into the slots (mapped) or into `queue.write_buffer`'s staging
+    /// memory, on the forward pass's thread: host-cache hits and lookahead reads (the pieces of
+    /// blobs read at the stop are copied by the reader threads as they arrive, overlapping the
+    /// reads).
+    pub upload_s: f64,
+    /// Forward passes in all (the rest is recording, submitting and the last wait).
+    pub pass_s: f64,
+    /// The host writes blobs straight into the slots through a mapping (`gpu::slots`); false:
+    /// through wgpu's staging memory and a GPU copy.
+    pub mapped: bool,
+    /// Blobs read from disk straight into their slot (unified memory: the bytes moved once).
+    pub landed: u64,
+}
+
+pub(super) struct SlotTable {
+    /// Per layer (empty for dense layers): expert → slot.
+    slot_of: Vec<Vec<Option<u32>>>,
+    /// Per layer: slot → (expert held, last use).
+    held: Vec<Vec<(Option<usize>, u64)>>,
+    clock: u64,
+}
+
+/// The distinct values of `ids`, ascending.
+pub(super) fn distinct(ids: &[u32]) -> Vec<u32> {
+    let mut v = ids.to_vec();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+/// A slot id that the expert sort skips (`ExpertSort`: any id ≥ the slot count): a slot of
+/// another round's expert.
+const SKIP_SLOT: u32 = u32::MAX;
+
+/// Bytes per copy when the forward pass's thread copies a whole blob into a slot (on several
+/// threads: one copies ~10 GB/s).
+const UPLOAD_PIECE: usize = 512 << 10;
+
+impl Streaming {
+    /// `slots` per MoE layer, all empty; batches below the GEMM path of at most `max_piece`
+    /// tokens.
+    pub(super) fn new(ctx: &GpuContext, cfg: &ModelConfig, slots: usize, max_piece: usize) -> Self {
+        let k = cfg.num_experts_per_tok.max(1);
+        let layers = cfg.num_layers;
+        let is_moe = |l: usize| cfg.moe_layers().any(|m| m == l);
+        Streaming {
+            slots,
+            max_piece,
+            mapped: false,
+            lands: false,
+            landed: AtomicU64::new(0),
+            table: Mutex::new(SlotTable {
+                slot_of: (0..layers)
+                    .map(|l| vec![None; if is_moe(l) { cfg.num_experts } else { 0 }])
+                    .collect(),
+                held: (0..layers)
+                    .map(|l| vec![(None, 0); if is_moe(l) { slots } else { 0 }])
+                    .collect(),
+                clock: 0,
+            }),
+            ids: Readback::new(ctx, 4 * (T_MAX * k) as u64),
+            ahead: Readback::new(ctx, 4 * (T_MAX * k) as u64),
+            hits: AtomicU64::new(0),
+            misses: AtomicU64::new(0),
+            gpu_wait_ns: AtomicU64::new(0),
+            fill_ns: AtomicU64::new(0),
+            upload_ns: AtomicU64::new(0),
+            pass_ns: AtomicU64::new(0),
+            stops: AtomicU64::new(0),
+        }
+    }
+}
+
+impl GpuDecoder {
+    /// Streaming lookahead: the experts of MoE layer `next` that its router, applied to the
+    /// current layer's input, would choose and that no VRAM slot holds start reading into the
+    /// host cache. They are issued after the current layer's own misses (`Experts::prefetch_after`),
+    /// so a guess never delays a certain read.
+    pub(super) fn prefetch_guess(&self, st: &Streaming, next: usize, guess: &[u32]) {
+        let t = st.table.lock().unwrap_or_else(|e| e.into_inner());
+        let mut want: Vec<usize> = guess
+            .iter()
+            .map(|&e| e as usize)
+            .filter(|&e| e < self.cfg.num_experts && t.slot_of[next][e].is_none())
+            .collect();
+        want.sort_unstable();
+        want.dedup();
+        drop(t);
+        self.experts.prefetch_after(next, &want);
+    }
+
+    /// Streaming, a batch on the GEMM path whose distinct experts outnumber the slots of MoE
+    /// layer `l`: the experts in rounds of at most `slots`, in id order. Every round but the last
+    /// runs here: its experts fill the slots, `ops` (the expert sort and grouped GEMMs) run with
+    /// the other rounds' slots marked to skip, and the GPU finishes before the next round
+    /// refills the slots. Returns the last round's slot ids (others marked to skip) for the
+    /// pass's own expert products, after which the weighted sum adds every slot's output. Each
+    /// slot's output is the same product as in one round (the GEMMs compute each slot alone),
+    /// and every expert is read once per batch.
+    pub(super) fn fill_in_rounds(
+        &self,
+        st: &Streaming,
+        l: usize,
+        ids: &[u32],
+        ops: &[Op],
+    ) -> Result<Vec<u32>, EngineError> {
+        let experts = distinct(ids);
+        let rounds: Vec<&[u32]> = experts.chunks(st.slots).collect();
+        for (i, round) in rounds.iter().enumerate() {
+            let slots = self.fill_slots(st, l, round)?;
+            let of_round: Vec<u32> = (ids.iter())
+                .map(|e| round.binary_search(e).map_or(SKIP_SLOT, |j| slots[j]))
+                .collect();
+            if i + 1 == rounds.len() {
+                return Ok(of_round);
+            }
+            let q = &self.ctx.queue;
+            q.write_buffer(&self.acts.ids, 0, bytemuck::cast_slice(&of_round));
+            let mut enc = self.ctx.encoder();
+            {
+                let pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some("expert round"),
+                    timestamp_writes: None,
+                });
+                let mut r = Recorder::new(pass, None, false, false);
+                ops.iter().for_each(|op| op.record(&mut r));
+                r.end();
+            }
+            self.ctx.submit_wait(enc);
+        }
+        unreachable!("a batch has at least one expert")
+    }
+
+    /// Streaming: makes sure the experts in `ids` (router order, `[n][k]`) of MoE layer `l` sit
+    /// in its VRAM slots, and returns their slot indices in the same order. Misses take the
+    /// least recently used slots not needed by this batch, and their bytes come from the store
+    /// (host cache, lookahead read or an O_DIRECT read) through a `SlotWriter`: copied into the
+    /// mapped slot, read straight into it (unified memory), or `queue.write_buffer`, which
+    /// lands before the next submission. A failed read leaves no slot claiming the expert.
+    pub(super) fn fill_slots(
+        &self,
+        st: &Streaming,
+        l: usize,
+        ids: &[u32],
+    ) -> Result<Vec<u32>, EngineError> {
+        let slots = self
+            .weights
+            .expert_slots(l)
+            .ok_or_else(|| EngineError::Backend(format!("GPU: layer {l} has no experts")))?;
+        let stride = slots.stride;
+        let used: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
+        if let Some(&bad) = used.iter().find(|&&e| e >= self.cfg.num_experts) {
+            return Err(EngineError::Backend(format!(
+                "GPU: layer {l}: router chose expert {bad} of {}",
+                self.cfg.num_experts
+            )));
+        }
+        let distinct: Vec<usize> = distinct(ids).into_iter().map(|e| e as usize).collect();
+        let mut t = st.table.lock().unwrap_or_else(|e| e.into_inner());
+        t.clock += 1;
+        let now = t.clock;
+        let SlotTable { slot_of, held, .. } = &mut *t;
+        let (slot_of, held) = (&mut slot_of[l], &mut held[l]);
+        let mut misses = vec![];
+        for &e in &distinct {
+            match slot_of[e] {
+                Some(s) => held[s as usize].1 = now,
+                None => misses.push(e),
+            }
+        }
+        for &e in &misses {
+            // Empty slots first, then the least recently used; never one this batch uses.
+            let victim = (0..held.len())
+                .filter(|&s| held[s].1 != now)
+                .min_by_key(|&s| (held[s].0.is_some(), held[s].1))
+                .expect("a batch's experts fit in the slots (max_piece)");
+            if let Some(old) = held[victim].0 {
+                slot_of[old] = None;
+            }
+            held[victim] = (Some(e), now);
+            slot_of[e] = Some(victim as u32);
+        }
+        st.hits
+            .fetch_add((distinct.len() - misses.len()) as u64, Ordering::Relaxed);
+        st.misses.fetch_add(misses.len() as u64, Ordering::Relaxed);
+        // A failed fill leaves no slot claiming the missed experts.
+        let forget = |slot_of: &mut Vec<Option<u32>>, held: &mut Vec<(Option<usize>, u64)>| {
+            for &e in &misses {
+                if let Some(s) = slot_of[e].take() {
+                    held[s as usize] = (None, 0);
+                }
+            }
+        };
+        // (Called even without misses: it also drops this layer's unused lookahead reads and
+        // starts the next layer's.)
+        let writer = match misses.is_empty() {
+            true => None,
+            false => match SlotWriter::open(&self.ctx, &slots.buf, slots.mappable, st.lands) {
+                Ok(w) => Some(Arc::new(w)),
+                Err(err) => {
+                    forget(slot_of, held);
+                    return Err(err);
+                }
+            },
+        };
+        // Blobs read from disk now reach their slots piece by piece from the reader threads,
+        // each piece as soon as it is read; hits in the host cache and lookahead reads are
+        // copied here.
+        let sink: Option<PieceSink> = writer.clone().map(|writer| {
+            let to: Vec<(usize, u64)> = misses
+                .iter()
+                .map(|&e| (e, slot_of[e].expect("assigned above") as u64 * stride))
+                .collect();
+            Arc::new(move |e: usize, at: usize, bytes: &[u8]| {
+                if let Some(&(_, base)) = to.iter().find(|(x, _)| *x == e) {
+                    writer.write((base, stride), at, bytes);
+                }
+            }) as PieceSink
+        });
+        // Unified memory: the blobs read now land in their slots.
+        let targets: Vec<(usize, ReadTarget)> = (writer.iter())
+            .flat_map(|w| {
+                (misses.iter())
+                    .filter_map(|&e| Some((e, w.target((slot_of[e]? as u64 * stride, stride))?)))
+            })
+            .collect();
+        let mut copied = 0;
+        let read =
+            self.experts
+                .for_each_blob(l, &misses, (sink.as_ref(), &targets), &mut |e, bytes| {
+                    let (Some(writer), Some(s)) = (&writer, slot_of[e]) else {
+                        return;
+                    };
+                    copied += 1;
+                    let base = s as u64 * stride;
+                    let t = Instant::now();
+                    use rayon::prelude::*;
+                    bytes
+                        .par_chunks(UPLOAD_PIECE)
+                        .enumerate()
+                        .for_each(|(i, piece)| {
+                            writer.write((base, stride), i * UPLOAD_PIECE, piece)
+                        });
+                    st.upload_ns
+                        .fetch_add(nanos(t.elapsed()), Ordering::Relaxed);
+                });
+        // Every read this stop waited for is done: nothing writes into the slots any more.
+        if let Some(w) = &writer {
+            w.finish();
+        }
+        if let Err(err) = read {
+            forget(slot_of, held);
+            return Err(err);
+        }
+        // Landing, the store handed over only what it had already (guessed or cached).
+        if !targets.is_empty() {
+            let landed = (misses.len() - copied) as u64;
+            st.landed.fetch_add(landed, Ordering::Relaxed);
+        }
+        Ok(used.iter().map(|&e| slot_of[e].expect("filled")).collect())
+    }
+
+    /// Streaming: fills the host cache (where there is one) and then each MoE layer's VRAM slots
+    /// with the hottest experts of the saved usage profile. `progress(done, total)` counts the
+    /// experts read into the host cache, then (afresh) those placed in slots. Returns how many
+    /// experts were loaded in all (slots and host cache). The slot counters start afresh after.
+    pub fn preload(&self, progress: &mut dyn FnMut(usize, usize)) -> Result<usize, EngineError> {
+        let cached = self.experts.preload(progress)?;
+        let Some(st) = &self.streaming else {
+            return Ok(cached);
+        };
+        let hot = self.experts.hottest();
+        let per_layer: Vec<(usize, Vec<u32>)> = (self.cfg.moe_layers())
+            .map(|l| {
+                let ids = (hot.iter().filter(|h| h.0 == l))
+                    .map(|h| h.1 as u32)
+                    .take(st.slots)
+                    .collect();
+                (l, ids)
+            })
+            .collect();
+        let total = per_layer.iter().map(|p| p.1.len()).sum();
+        let mut done = 0;
+        for (l, ids) in per_layer.iter().filter(|p| !p.1.is_empty()) {
+            self.fill_slots(st, *l, ids)?;
+            done += ids.len();
+            progress(done, total);
+        }
+        self.reset_slot_stats();
+        Ok(cached + done)
+    }
+
+    /// Streaming: VRAM slot hits and misses, and the host's time at the router stops, since
+    /// load or the last `reset_slot_stats`.
+    pub fn slot_stats(&self) -> Option<SlotStats> {
+        let secs = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64 * 1e-9;
+        self.streaming.as_ref().map(|s| SlotStats {
+            hits: s.hits.load(Ordering::Relaxed),
+            misses: s.misses.load(Ordering::Relaxed),
+            stops: s.stops.load(Ordering::Relaxed),
+            gpu_wait_s: secs(&s.gpu_wait_ns),
+            fill_s: secs(&s.fill_ns),
+            upload_s: secs(&s.upload_ns),
+            pass_s: secs(&s.pass_ns),
+            mapped: s.mapped,
+            landed: s.landed.load(Ordering::Relaxed),
+        })
+    }
+
+    pub fn reset_slot_stats(&self) {
+        if let Some(s) = &self.streaming {
+            for a in [
+                &s.hits,
+                &s.misses,
+                &s.stops,
+                &s.gpu_wait_ns,
+                &s.fill_ns,
+                &s.upload_ns,
+                &s.pass_ns,
+                &s.landed,
+            ] {
+                a.store(0, Ordering::Relaxed);
+            }
+        }
+    }
+}
