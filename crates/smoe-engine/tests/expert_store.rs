@@ -277,15 +277,9 @@ fn needed_reads_overtake_queued_guesses() {
     assert_eq!(st.total.prefetch_wasted + st.total.prefetch_cancelled, 0);
 }
 
-/// With a piece sink (what the GPU backend copies into VRAM slots from the reader threads),
-/// every piece of each blob read afresh reaches the sink exactly once and together they are
-/// the blob; `f` gets only the hits and the lookahead reads; the blobs are cached as usual.
-#[test]
-fn a_piece_sink_gets_every_piece_of_the_blobs_read_afresh() {
-    use smoe_engine::store::{Experts, PieceSink};
-    use std::collections::BTreeMap;
-    use std::sync::Mutex;
-    let v = TempVault::new("tiny-tied", DType::Q4);
+/// The streaming store of `v` with every expert cacheable, 3 readers and 16 KiB pieces; with
+/// its vault and blob stride.
+fn store_of_pieces(v: &TempVault) -> (smoe_vault::Vault, smoe_engine::store::Experts, usize) {
     let opts = StoreOptions {
         budget: CacheBudget::Fraction(1.0),
         profile: false,
@@ -295,8 +289,21 @@ fn a_piece_sink_gets_every_piece_of_the_blobs_read_afresh() {
         mapped_slots: true,
     };
     let vault = smoe_vault::Vault::open(v.path()).unwrap();
-    let experts = Experts::open(&vault, &opts).unwrap();
+    let experts = smoe_engine::store::Experts::open(&vault, &opts).unwrap();
     let stride = vault.expert_section().unwrap().blob_stride as usize;
+    (vault, experts, stride)
+}
+
+/// With a piece sink (what the GPU backend copies into VRAM slots from the reader threads),
+/// every piece of each blob read afresh reaches the sink exactly once and together they are
+/// the blob; `f` gets only the hits and the lookahead reads; the blobs are cached as usual.
+#[test]
+fn a_piece_sink_gets_every_piece_of_the_blobs_read_afresh() {
+    use smoe_engine::store::PieceSink;
+    use std::collections::BTreeMap;
+    use std::sync::Mutex;
+    let v = TempVault::new("tiny-tied", DType::Q4);
+    let (_vault, experts, stride) = store_of_pieces(&v);
     assert!(stride > 16 << 10, "blobs of several pieces");
     let pieces: Arc<Mutex<BTreeMap<(usize, usize), Vec<u8>>>> = Arc::default();
     let into = pieces.clone();
@@ -345,19 +352,9 @@ fn a_piece_sink_gets_every_piece_of_the_blobs_read_afresh() {
 /// aligned (direct I/O refuses such memory: those reads go through the page cache instead).
 #[test]
 fn reads_land_in_their_targets() {
-    use smoe_engine::store::{Experts, ReadTarget};
+    use smoe_engine::store::ReadTarget;
     let v = TempVault::new("tiny-tied", DType::Q4);
-    let opts = StoreOptions {
-        budget: CacheBudget::Fraction(1.0),
-        profile: false,
-        read_threads: 3,
-        read_piece: 16 << 10,
-        fault: None,
-        mapped_slots: true,
-    };
-    let vault = smoe_vault::Vault::open(v.path()).unwrap();
-    let experts = Experts::open(&vault, &opts).unwrap();
-    let stride = vault.expert_section().unwrap().blob_stride as usize;
+    let (vault, experts, stride) = store_of_pieces(&v);
     experts
         .for_each_blob(1, &[2], (None, &[]), &mut |_, _| {})
         .unwrap();
