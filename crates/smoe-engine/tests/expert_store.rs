@@ -115,22 +115,7 @@ fn a_failed_read_fails_the_request_names_the_expert_and_is_not_cached() {
             .then(|| std::io::Error::other("injected I/O error"))
     });
     // Pieces of 16 KiB: the injected error hits a piece of a blob others are reading too.
-    let store = StoreOptions {
-        budget: CacheBudget::Fraction(1.0),
-        profile: false,
-        read_threads: 2,
-        read_piece: 16 << 10,
-        fault: Some(fault),
-        mapped_slots: true,
-    };
-    let e = Engine::open(
-        &path,
-        EngineOptions {
-            store,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let e = open_with_fault(path, CacheBudget::Fraction(1.0), fault);
     let prompt: Vec<u32> = (10..30).collect();
     let err = e.logprobs(&prompt).unwrap_err().to_string();
     assert!(
@@ -277,6 +262,27 @@ fn needed_reads_overtake_queued_guesses() {
     assert_eq!(st.total.prefetch_wasted + st.total.prefetch_cancelled, 0);
 }
 
+/// An engine on `path` whose store reads through `fault`: 2 readers, 16 KiB pieces.
+fn open_with_fault(
+    path: &Path,
+    budget: CacheBudget,
+    fault: smoe_engine::store::FaultHook,
+) -> Engine {
+    let store = StoreOptions {
+        budget,
+        profile: false,
+        read_threads: 2,
+        read_piece: 16 << 10,
+        fault: Some(fault),
+        mapped_slots: true,
+    };
+    let opts = EngineOptions {
+        store,
+        ..Default::default()
+    };
+    Engine::open(path, opts).unwrap()
+}
+
 /// The streaming store of `v` with every expert cacheable, 3 readers and 16 KiB pieces; with
 /// its vault and blob stride.
 fn store_of_pieces(v: &TempVault) -> (smoe_vault::Vault, smoe_engine::store::Experts, usize) {
@@ -394,22 +400,7 @@ fn a_panicking_reader_fails_the_request_instead_of_hanging() {
         assert!(layer != 1, "injected panic reading expert {expert}");
         None
     });
-    let store = StoreOptions {
-        budget: CacheBudget::Bytes(0),
-        profile: false,
-        read_threads: 2,
-        read_piece: 16 << 10,
-        fault: Some(fault),
-        mapped_slots: true,
-    };
-    let e = Engine::open(
-        v.path(),
-        EngineOptions {
-            store,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let e = open_with_fault(v.path(), CacheBudget::Bytes(0), fault);
     let prompt: Vec<u32> = (10..30).collect();
     // On its own thread, so that a hang fails the test instead of stalling the suite.
     let (tx, rx) = std::sync::mpsc::channel();
