@@ -278,14 +278,6 @@ impl Experts {
         }
     }
 
-    /// The cache budget in bytes when streaming.
-    pub fn budget_bytes(&self) -> Option<u64> {
-        match &self.source {
-            Source::Streamed(s) => Some(s.stats.lock().unwrap().cache_budget),
-            Source::Mapped => None,
-        }
-    }
-
     /// Starts reading `experts` of `layer` ahead of use (streaming only; a no-op otherwise).
     pub fn prefetch(&self, layer: usize, experts: &[usize]) {
         if let Source::Streamed(s) = &self.source {
