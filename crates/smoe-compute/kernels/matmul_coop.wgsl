@@ -16,15 +16,23 @@ enable wgpu_cooperative_matrix;
 // inputs are normed hidden states, attention outputs and the experts' silu(g)·u.
 //
 // The wrapper uses this kernel only where the adapter lists a 16×16×16 f16 × f16 → f32
-// configuration and runs subgroups of exactly 32 invocations: a workgroup is 4 subgroups.
+// configuration and runs subgroups of exactly 32 invocations.
 //
 // Tile: 128 weight rows × BN tokens, BK-position K-steps (64 by default: 3,664 against 3,368
-// tok/s with 32 for the H200's 30B q4 prefill). Subgroup s owns row blocks s and s + 4
-// (tile rows 16s.. and 64 + 16s..): GATED, the tile's first 64 rows are gate rows and the next
-// 64 the same rows' up weights, so a subgroup holds both halves of its outputs. Per K-step the
-// weight tile is dequantized once into workgroup memory as f16 (row-major) and the x tile
-// staged beside it (token-major, i.e. the B operand column-major); for bf16 the next step's raw bytes
-// are loaded into registers before the current step is multiplied, as in matmul.wgsl (PREFETCH).
+// tok/s with 32 for the H200's 30B q4 prefill). The tile's 8 row blocks of 16 rows are shared by
+// the workgroup's subgroups, RB each: subgroup s owns row block s (and s + 4 with RB = 2) across
+// all the tile's token blocks. GATED, the tile's first 64 rows are gate rows and the next 64 the
+// same rows' up weights. Per K-step the weight tile is dequantized once into workgroup memory as
+// f16 (row-major) and the x tile staged beside it (token-major, i.e. the B operand
+// column-major); for bf16 the next step's raw bytes are loaded into registers before the current
+// step is multiplied, as in matmul.wgsl (PREFETCH).
+//
+// RB = 1 (8 subgroups, 256 invocations) halves each invocation's staging and sums, so twice as
+// many subgroups hide each other's load latencies; each B tile is then read by 8 subgroups
+// instead of 4. Measured on the H200 (pp512 shapes, µs, against RB = 2): q4 experts gate_up
+// 728.9 → 632.9, down 404.0 → 362.5, q_proj 125.7 → 118.3; bf16 gate_up 727.6 → 696.4, down
+// 410.5 → 389.3, but bf16 q_proj 107.0 → 137.8, so dense bf16 (the one case with PREFETCH and
+// a full token tile) keeps RB = 2. The engine's pp512 (q4): 5,390 → 5,935 tok/s.
 
 override DTYPE: u32 = 2u; // 0 bf16, 1 q8, 2 q4, 3 q2
 override BN: u32 = 64u;   // tokens per tile: 16, 32, 48 or 64
@@ -32,7 +40,9 @@ override GATED: bool = false;
 override GROUPED: bool = false;
 const BM: u32 = 128u;
 override BK: u32 = 32u; // step positions per K-step: 32 or 64
-const WG: u32 = 128u;
+// Row blocks per subgroup (see above) and invocations per workgroup.
+override RB: u32 = select(1u, 2u, DTYPE == 0u && !GROUPED);
+override WG: u32 = 256u / RB;
 // Output rows per tile.
 override OR: u32 = select(BM, BM / 2u, GATED);
 // Token blocks of 16.
@@ -68,7 +78,7 @@ var<workgroup> ws: array<f16, BM * TS>;
 // x tile, high and low halves: token t, step position kk at xs[t * TS + kk] and xl[t * TS + kk].
 var<workgroup> xs: array<f16, BN * TS>;
 var<workgroup> xl: array<f16, BN * TS>;
-// Per subgroup, one 16 × 16 block of sums of each of its two row blocks, token-major.
+// One token block's sums, parked: row block b's 16 × 16 block (token-major) at 256 b.
 var<workgroup> cs: array<f32, 2048>;
 var<workgroup> tok: array<u32, BN>;
 var<workgroup> xrow: array<u32, BN>;
@@ -161,41 +171,32 @@ fn store_step(li: u32, c0: u32) {
     }
 }
 
-// Writes token block j's sums, parked in cs: g (row block s) at cb, h (row block s + 4) at
-// cb + 256, element (row m, token n) at n * 16 + m.
-fn store_block(cb: u32, lane: u32, r0: u32, s: u32, j: u32) {
-    for (var e = lane; e < 256u; e += 32u) {
-        let n = e / 16u;
-        let m = e % 16u;
+// Writes token block j's sums, parked in cs: row block b's element (row m, token n) at
+// 256 b + 16 n + m; GATED, the up sums of output row o are 4 blocks after its gate sums.
+// Consecutive invocations write consecutive rows of one token.
+fn store_block(li: u32, r0: u32, j: u32) {
+    for (var e = li; e < 16u * OR; e += WG) {
+        let n = e / OR;
+        let o = e % OR;
         let slot = tok[16u * j + n];
-        if slot == INVALID {
+        if slot == INVALID || r0 + o >= p.rows {
             continue;
         }
-        let yb = p.y_off + slot * p.y_tok;
-        let o = r0 + 16u * s + m;
-        let g = cs[cb + e];
-        let h = cs[cb + 256u + e];
+        let at = 256u * (o / 16u) + 16u * n + o % 16u;
+        let g = cs[at];
+        var v = g;
         if GATED {
-            if o < p.rows {
-                y[yb + o] = g / (1.0 + exp(-g)) * h;
-            }
-        } else {
-            if o < p.rows {
-                y[yb + o] = g;
-            }
-            if o + 64u < p.rows {
-                y[yb + o + 64u] = h;
-            }
+            v = g / (1.0 + exp(-g)) * cs[at + 1024u];
         }
+        y[p.y_off + slot * p.y_tok + r0 + o] = v;
     }
 }
 
-@compute @workgroup_size(128)
+@compute @workgroup_size(WG)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(local_invocation_index) li: u32,
     @builtin(subgroup_id) sgid: u32,
-    @builtin(subgroup_invocation_id) lane: u32,
 ) {
     let r0 = wid.x * OR;
     // The token tile (j0, count, expert), through workgroup memory so that the early return,
@@ -224,6 +225,7 @@ fn main(
     workgroupBarrier();
     // Token blocks past the tile's valid tokens are skipped (uniform: nvalid is).
     let nb = min(NB, (nvalid + 15u) / 16u);
+    // g: row block s's sums per token block; h: row block s + 4's (RB = 2).
     var g0 = coop_mat16x16<f32, C>();
     var g1 = coop_mat16x16<f32, C>();
     var g2 = coop_mat16x16<f32, C>();
@@ -251,71 +253,90 @@ fn main(
             let ia = 16u * sgid * TS + kk;
             let ib = (64u + 16u * sgid) * TS + kk;
             let a0 = coopLoadT<coop_mat16x16<f16, A>>(&ws[ia], ts);
-            let a1 = coopLoadT<coop_mat16x16<f16, A>>(&ws[ib], ts);
+            var a1 = a0;
+            if RB == 2u {
+                a1 = coopLoadT<coop_mat16x16<f16, A>>(&ws[ib], ts);
+            }
             let i0 = kk;
             let b0 = coopLoad<coop_mat16x16<f16, B>>(&xs[i0], ts);
             let l0 = coopLoad<coop_mat16x16<f16, B>>(&xl[i0], ts);
             g0 = coopMultiplyAdd(a0, b0, g0);
-            h0 = coopMultiplyAdd(a1, b0, h0);
             g0 = coopMultiplyAdd(a0, l0, g0);
-            h0 = coopMultiplyAdd(a1, l0, h0);
+            if RB == 2u {
+                h0 = coopMultiplyAdd(a1, b0, h0);
+                h0 = coopMultiplyAdd(a1, l0, h0);
+            }
             if nb > 1u {
                 let i1 = 16u * TS + kk;
                 let b1 = coopLoad<coop_mat16x16<f16, B>>(&xs[i1], ts);
                 let l1 = coopLoad<coop_mat16x16<f16, B>>(&xl[i1], ts);
                 g1 = coopMultiplyAdd(a0, b1, g1);
-                h1 = coopMultiplyAdd(a1, b1, h1);
                 g1 = coopMultiplyAdd(a0, l1, g1);
-                h1 = coopMultiplyAdd(a1, l1, h1);
+                if RB == 2u {
+                    h1 = coopMultiplyAdd(a1, b1, h1);
+                    h1 = coopMultiplyAdd(a1, l1, h1);
+                }
             }
             if nb > 2u {
                 let i2 = 32u * TS + kk;
                 let b2 = coopLoad<coop_mat16x16<f16, B>>(&xs[i2], ts);
                 let l2 = coopLoad<coop_mat16x16<f16, B>>(&xl[i2], ts);
                 g2 = coopMultiplyAdd(a0, b2, g2);
-                h2 = coopMultiplyAdd(a1, b2, h2);
                 g2 = coopMultiplyAdd(a0, l2, g2);
-                h2 = coopMultiplyAdd(a1, l2, h2);
+                if RB == 2u {
+                    h2 = coopMultiplyAdd(a1, b2, h2);
+                    h2 = coopMultiplyAdd(a1, l2, h2);
+                }
             }
             if nb > 3u {
                 let i3 = 48u * TS + kk;
                 let b3 = coopLoad<coop_mat16x16<f16, B>>(&xs[i3], ts);
                 let l3 = coopLoad<coop_mat16x16<f16, B>>(&xl[i3], ts);
                 g3 = coopMultiplyAdd(a0, b3, g3);
-                h3 = coopMultiplyAdd(a1, b3, h3);
                 g3 = coopMultiplyAdd(a0, l3, g3);
-                h3 = coopMultiplyAdd(a1, l3, h3);
+                if RB == 2u {
+                    h3 = coopMultiplyAdd(a1, b3, h3);
+                    h3 = coopMultiplyAdd(a1, l3, h3);
+                }
             }
         }
     }
-    // Each subgroup parks one token block's two 16 × 16 blocks in its part of cs, then its
-    // lanes write them out.
-    let cb = 512u * sgid;
-    let ch = cb + 256u;
+    // Token block by token block, the subgroups park their sums in cs, then the workgroup
+    // writes them out.
+    let cg = 256u * sgid;
+    let ch = cg + 1024u;
     let s16 = 16u;
-    coopStore(g0, &cs[cb], s16);
-    coopStore(h0, &cs[ch], s16);
+    coopStore(g0, &cs[cg], s16);
+    if RB == 2u {
+        coopStore(h0, &cs[ch], s16);
+    }
     workgroupBarrier();
-    store_block(cb, lane, r0, sgid, 0u);
+    store_block(li, r0, 0u);
     workgroupBarrier();
     if nb > 1u {
-        coopStore(g1, &cs[cb], s16);
-        coopStore(h1, &cs[ch], s16);
+        coopStore(g1, &cs[cg], s16);
+        if RB == 2u {
+            coopStore(h1, &cs[ch], s16);
+        }
         workgroupBarrier();
-        store_block(cb, lane, r0, sgid, 1u);
+        store_block(li, r0, 1u);
         workgroupBarrier();
     }
     if nb > 2u {
-        coopStore(g2, &cs[cb], s16);
-        coopStore(h2, &cs[ch], s16);
+        coopStore(g2, &cs[cg], s16);
+        if RB == 2u {
+            coopStore(h2, &cs[ch], s16);
+        }
         workgroupBarrier();
-        store_block(cb, lane, r0, sgid, 2u);
+        store_block(li, r0, 2u);
         workgroupBarrier();
     }
     if nb > 3u {
-        coopStore(g3, &cs[cb], s16);
-        coopStore(h3, &cs[ch], s16);
+        coopStore(g3, &cs[cg], s16);
+        if RB == 2u {
+            coopStore(h3, &cs[ch], s16);
+        }
         workgroupBarrier();
-        store_block(cb, lane, r0, sgid, 3u);
+        store_block(li, r0, 3u);
     }
 }

@@ -5,14 +5,42 @@
 //! `attn_merge.wgsl`: decode attention's merge of its splits) are prepended
 //! to the kernels that use them, since WGSL has no includes.
 
-const COMMON: &str = include_str!("../../kernels/common.wgsl");
-const GEMM_COMMON: &str = include_str!("../../kernels/gemm_common.wgsl");
-const TOPK: &str = include_str!("../../kernels/topk.wgsl");
-const ROPE: &str = include_str!("../../kernels/rope.wgsl");
-const MERGE: &str = include_str!("../../kernels/attn_merge.wgsl");
+use std::borrow::Cow;
+use std::path::{Path, PathBuf};
+
+/// A fragment: (file name without `.wgsl`, source).
+type Fragment = (&'static str, &'static str);
+
+const COMMON: Fragment = ("common", include_str!("../../kernels/common.wgsl"));
+const GEMM_COMMON: Fragment = (
+    "gemm_common",
+    include_str!("../../kernels/gemm_common.wgsl"),
+);
+const TOPK: Fragment = ("topk", include_str!("../../kernels/topk.wgsl"));
+const ROPE: Fragment = ("rope", include_str!("../../kernels/rope.wgsl"));
+const MERGE: Fragment = ("attn_merge", include_str!("../../kernels/attn_merge.wgsl"));
+
+/// Where a developer's edited kernels are read from instead of the compiled-in ones, to try a
+/// kernel variant without rebuilding (`bench kernels` on a device without a toolchain): every
+/// file `NAME.wgsl` in that folder replaces the kernel or fragment of that name (a kernel file
+/// whose first line is `// smoe: standalone` gets no fragments prepended). Unset (the default),
+/// the binary uses only its own sources.
+pub const KERNEL_DIR_ENV: &str = "SMOE_KERNEL_DIR";
+
+/// `embedded`, or the file `name.wgsl` in `dir` where there is one.
+fn text(dir: Option<&Path>, name: &str, embedded: &'static str) -> Cow<'static, str> {
+    if let Some(dir) = dir {
+        let path = dir.join(format!("{name}.wgsl"));
+        if let Ok(s) = std::fs::read_to_string(&path) {
+            tracing::warn!("kernel {name} read from {}", path.display());
+            return s.into();
+        }
+    }
+    embedded.into()
+}
 
 /// (name, source, fragments prepended to it)
-const KERNELS: &[(&str, &str, &[&str])] = &[
+const KERNELS: &[(&str, &str, &[Fragment])] = &[
     ("matvec", include_str!("../../kernels/matvec.wgsl"), &[TOPK]),
     (
         "matmul",
@@ -75,18 +103,66 @@ pub fn kernel_names() -> Vec<&'static str> {
     KERNELS.iter().map(|k| k.0).collect()
 }
 
-/// The full WGSL of `name`, as handed to the device.
+/// The full WGSL of `name`, as handed to the device (with `SMOE_KERNEL_DIR`'s edits, if set).
 pub fn kernel_source(name: &str) -> Option<String> {
-    let (_, src, fragments) = KERNELS.iter().find(|k| k.0 == name)?;
+    let dir = std::env::var_os(KERNEL_DIR_ENV).map(PathBuf::from);
+    source_with_edits(name, dir.as_deref())
+}
+
+/// `kernel_source` with the edited kernels of `dir`.
+fn source_with_edits(name: &str, dir: Option<&Path>) -> Option<String> {
+    let (name, src, fragments) = KERNELS.iter().find(|k| k.0 == name)?;
+    let src = text(dir, name, src);
+    // An edited kernel that starts with this line carries its fragments itself.
+    let fragments = match src.starts_with("// smoe: standalone") {
+        true => &[][..],
+        false => &fragments[..],
+    };
     // A kernel's `enable` directives must come before any declaration: they stay first.
     let (enables, body): (Vec<&str>, Vec<&str>) =
         src.lines().partition(|l| l.starts_with("enable "));
     let mut out = enables.join("\n");
-    for f in fragments.iter() {
+    for (f, f_src) in fragments.iter() {
         out.push('\n');
-        out.push_str(f);
+        out.push_str(&text(dir, f, f_src));
     }
     out.push('\n');
     out.push_str(&body.join("\n"));
     Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn edited_kernels_replace_the_compiled_in_ones() {
+        let dir = std::env::temp_dir().join(format!("smoe-kernel-edits-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let embedded = source_with_edits("rms_norm", None).unwrap();
+        assert!(embedded.contains(COMMON.1) && embedded.contains("fn main"));
+        // No file for it: the compiled-in source.
+        assert_eq!(source_with_edits("rms_norm", Some(&dir)).unwrap(), embedded);
+        // An edited fragment goes into every kernel that uses it.
+        std::fs::write(dir.join("common.wgsl"), "// edited common\n").unwrap();
+        let s = source_with_edits("rms_norm", Some(&dir)).unwrap();
+        assert!(s.contains("// edited common") && !s.contains(COMMON.1));
+        // An edited kernel gets the fragments, or none when standalone; enables stay first.
+        std::fs::write(
+            dir.join("copy.wgsl"),
+            "// mine\nenable f16;\nfn main() {}\n",
+        )
+        .unwrap();
+        assert!(source_with_edits("copy", Some(&dir))
+            .unwrap()
+            .starts_with("enable f16;\n"));
+        std::fs::write(
+            dir.join("rms_norm.wgsl"),
+            "// smoe: standalone\nfn main() {}\n",
+        )
+        .unwrap();
+        let s = source_with_edits("rms_norm", Some(&dir)).unwrap();
+        assert!(!s.contains("edited common") && s.contains("fn main() {}"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -43,7 +43,8 @@ pub struct MatMulDesc<'a> {
 
 /// Workgroup tile of the GEMM. f32 kernel: each invocation computes 8 rows × 4 tokens, so a
 /// workgroup has `bm / 8 · bn / 4` invocations; workgroup memory is `4 · bk · (bm + bn)` bytes
-/// plus 8 per token and 16. Matrix units (`coop`): 128 invocations, `bm` 128, `bk` 32 or 64.
+/// plus 8 per token and 16. Matrix units (`coop`): 256 invocations (dense bf16: 128), `bm` 128,
+/// `bk` 32 or 64.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MatMulTuning {
     /// On the matrix units (f16 inputs, f32 sums) instead of the f32 ALUs.
@@ -154,9 +155,11 @@ impl MatMulTuning {
         }
     }
 
+    /// Invocations per workgroup (on the matrix units: the most the kernel uses, 256; dense
+    /// bf16 tiles use 128).
     fn invocations(&self) -> u32 {
         match self.coop {
-            true => 128,
+            true => 256,
             false => self.bm / 8 * (self.bn / 4),
         }
     }
