@@ -204,6 +204,7 @@ fn bench_decode_streaming_reports_the_router_stops() {
     let f = |k: &str| s[k].as_f64().unwrap_or_else(|| panic!("{k}: {v}"));
     // The demo model has 6 MoE layers: one stop each per decoded token.
     assert_eq!(f("stops"), 18.0, "{v}");
+    assert!(f("hit_stops") <= f("stops"), "{v}");
     assert!(f("hits") + f("misses") > 0.0, "{v}");
     assert!(f("pass_s") >= f("gpu_wait_s") + f("fill_s"), "{v}");
     assert!(f("fill_s") >= f("upload_s"), "{v}");

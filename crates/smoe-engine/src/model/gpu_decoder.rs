@@ -34,7 +34,7 @@ use std::time::Instant;
 
 mod streaming;
 pub use streaming::SlotStats;
-use streaming::{distinct, Streaming};
+use streaming::Streaming;
 
 pub struct GpuDecoder {
     pub cfg: ModelConfig,
@@ -507,13 +507,8 @@ impl GpuDecoder {
                         let used: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
                         self.experts.note_uses(l, &used);
                         let ops = &layers[l];
-                        let slots = match ops.expert_rounds.clone() {
-                            Some(r) if distinct(&ids).len() > st.slots => {
-                                self.fill_in_rounds(st, l, &ids, &ops.post[r])?
-                            }
-                            _ => self.fill_slots(st, l, &ids)?,
-                        };
-                        st.stops.fetch_add(1, Ordering::Relaxed);
+                        let rounds = ops.expert_rounds.clone().map(|r| &ops.post[r]);
+                        let slots = self.fill_stop(st, l, &ids, rounds)?;
                         st.gpu_wait_ns
                             .fetch_add(nanos(filling - waiting), Ordering::Relaxed);
                         st.fill_ns

@@ -44,6 +44,8 @@ pub(super) struct Streaming {
     upload_ns: AtomicU64,
     pub(super) pass_ns: AtomicU64,
     pub(super) stops: AtomicU64,
+    /// Stops where every chosen expert already had a slot (`SlotStats::hit_stops`).
+    hit_stops: AtomicU64,
 }
 
 /// What the streaming GPU path did since load (or `reset_slot_stats`): VRAM slot hits and misses
@@ -54,6 +56,10 @@ pub struct SlotStats {
     pub misses: u64,
     /// Router stops (one submission and wait per MoE layer and batch).
     pub stops: u64,
+    /// Stops at which every expert the router chose already sat in a VRAM slot: nothing was
+    /// read or copied, and the round trip bought nothing but the slot indices (what a slot
+    /// table on the GPU would let the pass run through).
+    pub hit_stops: u64,
     /// Waiting for the GPU to reach a router stop (its compute, and the submission's latency).
     pub gpu_wait_s: f64,
     /// Filling slots: reads waited for, plus the uploads below.
@@ -81,7 +87,7 @@ pub(super) struct SlotTable {
 }
 
 /// The distinct values of `ids`, ascending.
-pub(super) fn distinct(ids: &[u32]) -> Vec<u32> {
+fn distinct(ids: &[u32]) -> Vec<u32> {
     let mut v = ids.to_vec();
     v.sort_unstable();
     v.dedup();
@@ -127,11 +133,35 @@ impl Streaming {
             upload_ns: AtomicU64::new(0),
             pass_ns: AtomicU64::new(0),
             stops: AtomicU64::new(0),
+            hit_stops: AtomicU64::new(0),
         }
     }
 }
 
 impl GpuDecoder {
+    /// Streaming, at MoE layer `l`'s router stop: puts the experts of `ids` (router order) in
+    /// VRAM slots and returns their slot indices, in rounds where a batch on the GEMM path
+    /// (`rounds`: its expert sort and grouped GEMMs) has more distinct experts than slots.
+    pub(super) fn fill_stop(
+        &self,
+        st: &Streaming,
+        l: usize,
+        ids: &[u32],
+        rounds: Option<&[Op]>,
+    ) -> Result<Vec<u32>, EngineError> {
+        let misses = st.misses.load(Ordering::Relaxed);
+        let slots = match rounds {
+            Some(ops) if distinct(ids).len() > st.slots => self.fill_in_rounds(st, l, ids, ops)?,
+            _ => self.fill_slots(st, l, ids)?,
+        };
+        st.stops.fetch_add(1, Ordering::Relaxed);
+        // (One pass at a time: no other fill counts misses meanwhile.)
+        if st.misses.load(Ordering::Relaxed) == misses {
+            st.hit_stops.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(slots)
+    }
+
     /// Streaming lookahead: the experts of MoE layer `next` that its router, applied to the
     /// current layer's input, would choose and that no VRAM slot holds start reading into the
     /// host cache. They are issued after the current layer's own misses (`Experts::prefetch_after`),
@@ -358,6 +388,7 @@ impl GpuDecoder {
             hits: s.hits.load(Ordering::Relaxed),
             misses: s.misses.load(Ordering::Relaxed),
             stops: s.stops.load(Ordering::Relaxed),
+            hit_stops: s.hit_stops.load(Ordering::Relaxed),
             gpu_wait_s: secs(&s.gpu_wait_ns),
             fill_s: secs(&s.fill_ns),
             upload_s: secs(&s.upload_ns),
@@ -373,6 +404,7 @@ impl GpuDecoder {
                 &s.hits,
                 &s.misses,
                 &s.stops,
+                &s.hit_stops,
                 &s.gpu_wait_ns,
                 &s.fill_ns,
                 &s.upload_ns,
