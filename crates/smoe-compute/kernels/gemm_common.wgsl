@@ -61,9 +61,12 @@ struct Params {
     x_tok: u32,        // vec4s between x rows
     x_div: u32,        // GROUPED: slots that share one x row (slot s reads row s / x_div); >= 1
     y_off: u32,        // f32 index of y row 0, output row 0 of this part
-    y_tok: u32,        // f32s between y rows
-    _pad0: u32,
-    _pad1: u32,
+    y_tok: u32,        // f32s between y rows (of the first region)
+    // Dense: output rows split1.. and split2.. go to two more regions of y, each [n_tok][its
+    // rows] after the one before (one GEMM over q, k and v stacked writes the three buffers
+    // the attention reads). Both are u32::MAX otherwise: one region.
+    split1: u32,
+    split2: u32,
     _pad2: u32,
 }
 
@@ -77,6 +80,17 @@ struct Params {
 @group(0) @binding(6) var<storage, read> units: array<u32>;
 
 const INVALID: u32 = 0xffffffffu;
+
+// Index in y of output row o (of this part) for token (GROUPED: slot) t.
+fn y_at(t: u32, o: u32) -> u32 {
+    if o < p.split1 {
+        return p.y_off + t * p.y_tok + o;
+    }
+    if o < p.split2 {
+        return p.y_off + p.n_tok * p.split1 + t * (p.split2 - p.split1) + o - p.split1;
+    }
+    return p.y_off + p.n_tok * p.split2 + t * (p.rows - p.split2) + o - p.split2;
+}
 
 // The next step's raw bytes, loaded before the current step is multiplied.
 var<private> wraw: array<vec4<u32>, MAXP>;

@@ -122,20 +122,19 @@ fn store_sums(r0: u32, tv: u32, ir: u32, acc: array<vec4<f32>, 8>) {
         if s == INVALID {
             continue;
         }
-        let yb = p.y_off + s * p.y_tok;
         for (var i = 0u; i < 4u; i++) {
             let o = r0 + 4u * ir + i;
             if GATED {
                 if o < p.rows {
                     let g = acc[i][c];
-                    y[yb + o] = g / (1.0 + exp(-g)) * acc[i + 4u][c];
+                    y[y_at(s, o)] = g / (1.0 + exp(-g)) * acc[i + 4u][c];
                 }
             } else {
                 if o < p.rows {
-                    y[yb + o] = acc[i][c];
+                    y[y_at(s, o)] = acc[i][c];
                 }
                 if o + BM / 2u < p.rows {
-                    y[yb + o + BM / 2u] = acc[i + 4u][c];
+                    y[y_at(s, o + BM / 2u)] = acc[i + 4u][c];
                 }
             }
         }

@@ -188,7 +188,7 @@ fn store_block(li: u32, r0: u32, j: u32) {
         if GATED {
             v = g / (1.0 + exp(-g)) * cs[at + 1024u];
         }
-        y[p.y_off + slot * p.y_tok + r0 + o] = v;
+        y[y_at(slot, r0 + o)] = v;
     }
 }
 

@@ -39,6 +39,10 @@ pub struct MatMulDesc<'a> {
     pub y: BufRef<'a>,
     pub n_tokens: usize,
     pub grouped: Option<MatMulGrouped<'a>>,
+    /// Dense: `y` is three regions, `[n_tokens][a]`, `[n_tokens][b - a]` and `[n_tokens][rows
+    /// - b]` one after the other, receiving output rows `..a`, `a..b` and `b..` (q, k and v
+    /// from their stacked weights in one GEMM). `None`: `y` is `[n_tokens][rows]`.
+    pub y_split: Option<[usize; 2]>,
 }
 
 /// Workgroup tile of the GEMM. f32 kernel: each invocation computes 8 rows × 4 tokens, so a
@@ -242,7 +246,9 @@ struct Params {
     x_div: u32,
     y_off: u32,
     y_tok: u32,
-    _pad: [u32; 3],
+    split1: u32,
+    split2: u32,
+    _pad: u32,
 }
 
 fn dtype_code(d: DType) -> Result<f64, GpuError> {
@@ -322,6 +328,15 @@ impl MatMul {
                 )));
             }
         }
+        let [split1, split2] = match d.y_split {
+            None => [u32::MAX; 2],
+            Some([a, b]) if d.grouped.is_none() && a <= b && b <= w.rows => [a as u32, b as u32],
+            Some(s) => {
+                return Err(err(format!(
+                    "output regions {s:?}: dense only, with 0 <= a <= b <= rows"
+                )))
+            }
+        };
         if mat_stride % 16 != 0 || x_div == 0 {
             return Err(err(
                 "group stride must be a multiple of 16 and x_div > 0".into()
@@ -386,6 +401,11 @@ impl MatMul {
         };
         let extra = (n_mats as u64 - 1) * mat_stride + d.up_offset.unwrap_or(0);
         let split = split_rows(ctx, &w, extra, d.grouped.is_none(), "matmul weights", &err)?;
+        if d.y_split.is_some() && split.len() > 1 {
+            return Err(err(
+                "output regions of a matrix larger than a storage binding".into(),
+            ));
+        }
         let out_rows = if gated { tune.bm / 2 } else { tune.bm } as u64;
         let max_wg = ctx.limits().max_compute_workgroups_per_dimension as u64;
         let mut parts = vec![];
@@ -403,8 +423,11 @@ impl MatMul {
                 x_tok: (w.cols / 4) as u32,
                 x_div: x_div as u32,
                 y_off: y_off + part.r0 as u32,
-                y_tok: w.rows as u32,
-                _pad: [0; 3],
+                // The first region's rows (all of them without regions).
+                y_tok: d.y_split.map_or(w.rows, |[a, _]| a) as u32,
+                split1,
+                split2,
+                _pad: 0,
             };
             let pbuf = ctx.uniform("matmul params", &params);
             let bind = ctx.bind_group(

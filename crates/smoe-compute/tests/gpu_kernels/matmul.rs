@@ -211,6 +211,8 @@ struct Dense {
     nt: usize,
     gated: bool,
     seed: u64,
+    /// Output rows `..a`, `a..b`, `b..` to three regions of y (`MatMulDesc::y_split`).
+    split: Option<[usize; 2]>,
 }
 
 /// One dense (optionally gated) product against the twin; weights, x and y at offsets.
@@ -227,6 +229,13 @@ fn run_dense(ctx: &GpuContext, c: &Dense, tune: Option<MatMulTuning>) {
         matmul(QMatRef::new(dtype, rows, cols, &u), &x, nt, &mut uw);
         silu_mul(&mut want, &uw);
         blob.extend_from_slice(&u);
+    }
+    if let Some([a, b]) = c.split {
+        // Regions [nt][a], [nt][b - a], [nt][rows - b], one after the other.
+        want = [0..a, a..b, b..rows]
+            .iter()
+            .flat_map(|r| want.chunks(rows).flat_map(|row| row[r.clone()].to_vec()))
+            .collect();
     }
     let pad = 16 * (c.seed as usize % 5);
     let mut wbytes = vec![0xA5u8; pad];
@@ -252,6 +261,7 @@ fn run_dense(ctx: &GpuContext, c: &Dense, tune: Option<MatMulTuning>) {
             y: BufRef::at(&ybuf, 64),
             n_tokens: nt,
             grouped: None,
+            y_split: c.split,
         },
         tune,
     );
@@ -259,8 +269,9 @@ fn run_dense(ctx: &GpuContext, c: &Dense, tune: Option<MatMulTuning>) {
     mm.encode(&mut enc);
     ctx.submit_wait(enc);
     let what = format!(
-        "{}{dtype} {rows}x{cols} tokens {nt} {:?}",
+        "{}{dtype} {rows}x{cols} tokens {nt} regions {:?} {:?}",
         if c.gated { "gated " } else { "" },
+        c.split,
         mm.tuning()
     );
     let got = ctx.read_f32(&ybuf, 64, nt * rows).unwrap();
@@ -291,6 +302,7 @@ fn matmul_dense_all_dtypes() {
                         nt,
                         gated: false,
                         seed,
+                        split: None,
                     };
                     run_dense(ctx, &c, None);
                     seed += 1;
@@ -314,6 +326,35 @@ fn matmul_tunings_agree() {
                     nt,
                     gated,
                     seed: 1000 + 10 * i as u64 + rows as u64,
+                    split: None,
+                };
+                run_dense(ctx, &c, Some(t));
+            }
+        }
+    }
+}
+
+/// q, k and v from one GEMM: output rows split into three regions of y, at row-tile
+/// boundaries and between them, empty regions included, under every tile shape.
+#[test]
+fn matmul_writes_row_regions() {
+    let Some(ctx) = gpu() else { return };
+    for (i, t) in tunings(ctx).into_iter().enumerate() {
+        for dtype in [DType::Q4, DType::Bf16] {
+            for (rows, nt, split) in [
+                (320, 37, [256, 288]),
+                (200, 64, [77, 150]),
+                (130, 9, [0, 130]),
+                (96, 100, [96, 96]),
+            ] {
+                let c = Dense {
+                    dtype,
+                    rows,
+                    cols: 192,
+                    nt,
+                    gated: false,
+                    seed: 3000 + 10 * i as u64 + rows as u64,
+                    split: Some(split),
                 };
                 run_dense(ctx, &c, Some(t));
             }
@@ -333,6 +374,7 @@ fn matmul_gated_is_silu_gate_times_up() {
                 nt,
                 gated: true,
                 seed: 200 + 10 * i as u64 + nt as u64,
+                split: None,
             };
             run_dense(ctx, &c, None);
         }
@@ -351,6 +393,7 @@ fn matmul_bf16_cols_not_a_multiple_of_the_step() {
             nt: 5,
             gated: cols == 40,
             seed: 300 + cols as u64,
+            split: None,
         };
         run_dense(ctx, &c, None);
     }
@@ -434,6 +477,7 @@ fn run_grouped(ctx: &GpuContext, c: &Group, tune: Option<MatMulTuning>) {
                 mat_stride: stride as u64,
                 x_div: c.x_div,
             }),
+            y_split: None,
         },
         tune,
     );
@@ -623,6 +667,7 @@ fn matmul_splits_a_matrix_larger_than_a_binding() {
         nt: 3,
         gated: false,
         seed: 77,
+        split: None,
     };
     run_dense(ctx, &c, None);
 }
@@ -646,6 +691,7 @@ fn matmul_rejects_bad_shapes_with_messages() {
         y: BufRef::new(&ybuf),
         n_tokens: nt,
         grouped: None,
+        y_split: None,
     };
     let msg = |d: &MatMulDesc, t: MatMulTuning| match MatMul::with_tuning(ctx, d, t) {
         Ok(_) => panic!("accepted {:?}", d.w),
@@ -665,6 +711,13 @@ fn matmul_rejects_bad_shapes_with_messages() {
     assert!(msg(&desc(DType::Q4, 8, 64, 1000), t).contains("matmul x"));
     let bad = MatMulTuning { bm: 96, ..t };
     assert!(msg(&desc(DType::Q4, 8, 64, 1), bad).contains("tile"));
+    for split in [[6, 4], [5, 9]] {
+        let d = MatMulDesc {
+            y_split: Some(split),
+            ..desc(DType::Q4, 8, 64, 1)
+        };
+        assert!(msg(&d, t).contains("output regions"), "{split:?}");
+    }
     let big = MatMulTuning {
         coop: false,
         bm: 128,
@@ -701,6 +754,14 @@ fn matmul_rejects_bad_shapes_with_messages() {
         };
         let m = msg(&grouped, t);
         assert!(m.contains("sort's tile of"), "{m}");
+        if sort_tile == 32 {
+            let split = MatMulDesc {
+                y_split: Some([2, 4]),
+                ..grouped
+            };
+            let m = msg(&split, MatMulTuning { bn: 32, ..t });
+            assert!(m.contains("dense only"), "{m}");
+        }
         // MatMul::new takes the sort's tile, which must be a valid bn.
         match MatMul::new(ctx, &grouped) {
             Ok(mm) => assert_eq!(mm.tuning().bn as usize, sort_tile),

@@ -186,6 +186,7 @@ pub(super) fn bench_prefill(
                         mat_stride: mat_bytes,
                         x_div,
                     }),
+                    y_split: None,
                 };
                 let mm = match kernel {
                     Kernel::MatMul(Some(t)) => MatMul::with_tuning(ctx, &d, t)?,
