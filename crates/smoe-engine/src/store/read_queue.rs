@@ -259,7 +259,9 @@ impl BlobRead {
     /// Hands the next unread piece to a reader: its index, file offset and destination, or
     /// why it cannot be read (no memory for the buffer: finish it with that error). None when
     /// no piece is left (all taken, the read failed, or the guess was dropped).
-    #[allow(clippy::type_complexity)]
+    // (Each piece's slice is handed out once, under the lock: readers hold disjoint parts of
+    // one buffer, which `&self` cannot express — see the SAFETY note below.)
+    #[allow(clippy::type_complexity, clippy::mut_from_ref)]
     pub fn take_piece(&self) -> Option<Result<(usize, u64, &mut [u8]), String>> {
         let mut s = self.state();
         if s.next == self.pieces {
