@@ -32,7 +32,7 @@ enable wgpu_cooperative_matrix;
 // instead of 4. Measured on the H200 (pp512 shapes, µs, against RB = 2): q4 experts gate_up
 // 728.9 → 632.9, down 404.0 → 362.5, q_proj 125.7 → 118.3; bf16 gate_up 727.6 → 696.4, down
 // 410.5 → 389.3, but bf16 q_proj 107.0 → 137.8, so dense bf16 (the one case with PREFETCH and
-// a full token tile) keeps RB = 2. The engine's pp512 (q4): 5,390 → 5,935 tok/s.
+// a full token tile) keeps RB = 2. The engine's pp512 (q4): 5,390 → 5,872–5,935 tok/s.
 
 override DTYPE: u32 = 2u; // 0 bf16, 1 q8, 2 q4, 3 q2
 override BN: u32 = 64u;   // tokens per tile: 16, 32, 48 or 64
