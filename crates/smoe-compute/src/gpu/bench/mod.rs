@@ -180,11 +180,13 @@ pub fn qwen3_shapes() -> Vec<BenchShape> {
     .collect()
 }
 
-/// Qwen3-30B-A3B prefill of a 512-token chunk: q_proj, and the 128 experts' gate_up and down
-/// with top-8 routing (4096 slots, ≈ 32 per expert).
+/// Qwen3-30B-A3B prefill of a 512-token chunk: q_proj, q/k/v stacked, and the 128 experts'
+/// gate_up and down with top-8 routing (4096 slots, ≈ 32 per expert).
 pub fn qwen3_prefill_shapes() -> Vec<BenchShape> {
     vec![
         BenchShape::prefill("30B q_proj pf512", 4096, 2048, 512),
+        // q, k and v stacked, as the engine's prefill runs them (one GEMM).
+        BenchShape::prefill("30B qkv pf512", 5120, 2048, 512),
         BenchShape::prefill_experts("30B gate_up pf512", 768, 2048, 512, 8, 128, true),
         // Zipf-skewed routing (expert rank r gets weight 1/(r+1)): real routers are skewed, and
         // a popular expert's token tiles must spread over the GPU.
