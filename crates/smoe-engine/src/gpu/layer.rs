@@ -390,16 +390,24 @@ impl LayerOps {
                 let input = b.input(true, &w.input_norm, eps, &mut pre)?;
                 pre.push(b.mv_in("qkv", input, fw, None, a.q(1), None)?);
             }
-            Some(fw) if b.gemm => {
-                b.input(false, &w.input_norm, eps, &mut pre)?;
+            fused => {
+                let input = b.input(false, &w.input_norm, eps, &mut pre)?;
                 let split = Some([d.qw, d.qw + d.kw]);
                 let hn = BufRef::new(&a.hn);
-                pre.push(b.mm_split("qkv", fw, None, hn, a.q(n), None, split)?);
-            }
-            _ => {
-                let input = b.input(false, &w.input_norm, eps, &mut pre)?;
-                for (i, y) in [a.q(n), a.k(n), a.v(n)].into_iter().enumerate() {
-                    pre.push(b.mv_in("qkv", input, w.qkv.w(i), None, y, None)?);
+                let one = (fused.filter(|_| b.gemm))
+                    .map(|fw| b.mm_split("qkv", fw, None, hn, a.q(n), None, split));
+                match one {
+                    Some(Ok(op)) => pre.push(op),
+                    // (The stacked matrix may not fit one storage binding where the separate
+                    // ones do: three GEMMs then.)
+                    one => {
+                        if let Some(Err(e)) = one {
+                            tracing::debug!("q, k and v in three GEMMs: {e}");
+                        }
+                        for (i, y) in [a.q(n), a.k(n), a.v(n)].into_iter().enumerate() {
+                            pre.push(b.mv_in("qkv", input, w.qkv.w(i), None, y, None)?);
+                        }
+                    }
                 }
             }
         }
