@@ -670,6 +670,32 @@ fn matmul_splits_a_matrix_larger_than_a_binding() {
         split: None,
     };
     run_dense(ctx, &c, None);
+    // Output regions need the matrix in one binding (the engine then runs q, k, v apart).
+    let wbuf = ctx.storage_buffer("w", (rows * 128) as u64);
+    let xbuf = ctx.storage_buffer("x", 3 * 64 * 4);
+    let ybuf = ctx.storage_buffer("y", (3 * rows * 4) as u64);
+    let d = MatMulDesc {
+        w: WeightRef {
+            buffer: &wbuf,
+            offset: 0,
+            dtype: DType::Bf16,
+            rows,
+            cols: 64,
+        },
+        up_offset: None,
+        x: BufRef::new(&xbuf),
+        y: BufRef::new(&ybuf),
+        n_tokens: 3,
+        grouped: None,
+        y_split: Some([1, 2]),
+    };
+    let e = MatMul::new(ctx, &d)
+        .err()
+        .expect("regions over a split matrix");
+    assert!(
+        e.to_string().contains("larger than a storage binding"),
+        "{e}"
+    );
 }
 
 #[test]
