@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Packs what a session runs on the lent GPU machine (no Rust toolchain there): the release `smoe`
+# and the GPU test binaries, stripped, in one xz archive (they share most of their bytes, so a
+# 192 MiB dictionary keeps all of them under the 64 MiB carry), plus the Vulkan/GL loader debs.
+#
+#   scripts/device-pack.sh [EXTRA_DIR...]   # EXTRA_DIRs (e.g. kernel variants for
+#                                           # SMOE_KERNEL_DIR) go into the archive too
+#
+# Then, with the device tool: carry [".gl", ".dev/pack.tar.xz", ".dev/device.sh"] and run
+#   bash .dev/device.sh 'smoe info; SMOE_REQUIRE_GPU=1 .dev/bin/gpu_kernels matmul'
+# where .dev/device.sh unpacks into .dev/bin, prepares the loader, links /work/main to the tree
+# (the test fixtures' paths are compiled in) and runs its argument with bash.
+# See docs/testing.md ("Trying a kernel variant") and docs/performance.md for what was measured.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+grep -qx '/.dev/' .git/info/exclude 2>/dev/null || echo '/.dev/' >> .git/info/exclude
+grep -qx '/.gl/' .git/info/exclude 2>/dev/null || echo '/.gl/' >> .git/info/exclude
+
+# The loader and the GL vendor libraries NVIDIA's Vulkan driver there needs (without the latter
+# wgpu finds no adapter).
+if ! ls .gl/libegl1_*.deb >/dev/null 2>&1; then
+    mkdir -p .gl /tmp/amd64/partial
+    o='-oAPT::Architecture=amd64 -oAPT::Architectures=amd64 -oDir::State::Lists=/tmp/amd64'
+    apt-get $o update >/dev/null
+    (cd .gl && apt-get $o download libvulkan1 libegl1 libglvnd0 libopengl0 libgl1 libglx0 libgles2 >/dev/null)
+fi
+
+cargo build --release -p smoe-cli
+rm -rf .dev/bin && mkdir -p .dev/bin
+cp target/release/smoe .dev/bin/
+for t in smoe-compute:gpu_kernels smoe-engine:gpu_parity smoe-engine:gpu_streaming smoe-engine:gpu_unfused; do
+    crate=${t%%:*} test=${t#*:}
+    path=$(cargo test --release -p "$crate" --test "$test" --no-run 2>&1 |
+        grep -o "(target/release/deps/$test-[^)]*)" | tr -d '()' | tail -1)
+    cp "$path" ".dev/bin/$test"
+done
+strip .dev/bin/*
+tar cf - .dev/bin "$@" | xz -T2 --lzma2=preset=6,dict=192MiB > .dev/pack.tar.xz
+
+cat > .dev/device.sh <<'EOF'
+#!/usr/bin/env bash
+# On the device machine, from the tree's root: unpack, prepare Vulkan, run "$1".
+for f in .gl/*.deb; do dpkg -x "$f" /; done
+ldconfig >/dev/null 2>&1
+export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+export __EGL_VENDOR_LIBRARY_FILENAMES=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json
+xz -dc .dev/pack.tar.xz | tar xf -
+chmod +x .dev/bin/*
+export PATH="$PWD/.dev/bin:$PATH"
+[ -e /work/main ] || { mkdir -p /work; ln -s "$PWD" /work/main; }
+bash -c "$1"
+EOF
+ls -la .dev/pack.tar.xz
