@@ -43,7 +43,7 @@ pub(super) struct Streaming {
     pub(super) fill_ns: AtomicU64,
     upload_ns: AtomicU64,
     pub(super) pass_ns: AtomicU64,
-    pub(super) stops: AtomicU64,
+    stops: AtomicU64,
     /// Stops where every chosen expert already had a slot (`SlotStats::hit_stops`).
     hit_stops: AtomicU64,
 }
