@@ -106,6 +106,13 @@ pub fn kernel_names() -> Vec<&'static str> {
 /// The full WGSL of `name`, as handed to the device (with `SMOE_KERNEL_DIR`'s edits, if set).
 pub fn kernel_source(name: &str) -> Option<String> {
     let dir = std::env::var_os(KERNEL_DIR_ENV).map(PathBuf::from);
+    if let Some(d) = dir.as_ref().filter(|d| !d.is_dir()) {
+        // A mistyped path would otherwise silently measure the compiled-in kernels.
+        tracing::warn!(
+            "{KERNEL_DIR_ENV}={} is not a folder: no kernel edits",
+            d.display()
+        );
+    }
     source_with_edits(name, dir.as_deref())
 }
 
