@@ -163,31 +163,46 @@ impl B<'_> {
         y: BufRef,
         grouped: Option<MatMulGrouped>,
     ) -> Result<Op, EngineError> {
-        self.mm_split(step, w, up, x, y, grouped, None)
+        self.gemm(step, self.mm_desc(w, up, x, y, grouped))
     }
 
-    /// `mm`, dense, writing its output rows `..a`, `a..b` and `b..` to three regions of `y`
+    /// A dense `mm` writing its output rows `..a`, `a..b` and `b..` to three regions of `y`
     /// (`MatMulDesc::y_split`).
-    #[allow(clippy::too_many_arguments)]
     fn mm_split(
         &self,
         step: &'static str,
         w: WeightRef,
-        up: Option<u64>,
         x: BufRef,
         y: BufRef,
-        grouped: Option<MatMulGrouped>,
-        y_split: Option<[usize; 2]>,
+        split: [usize; 2],
     ) -> Result<Op, EngineError> {
         let d = MatMulDesc {
+            y_split: Some(split),
+            ..self.mm_desc(w, None, x, y, None)
+        };
+        self.gemm(step, d)
+    }
+
+    fn mm_desc<'d>(
+        &self,
+        w: WeightRef<'d>,
+        up: Option<u64>,
+        x: BufRef<'d>,
+        y: BufRef<'d>,
+        grouped: Option<MatMulGrouped<'d>>,
+    ) -> MatMulDesc<'d> {
+        MatMulDesc {
             w,
             up_offset: up,
             x,
             y,
             n_tokens: self.n,
             grouped,
-            y_split,
-        };
+            y_split: None,
+        }
+    }
+
+    fn gemm(&self, step: &'static str, d: MatMulDesc) -> Result<Op, EngineError> {
         let k = MatMul::new(self.ctx, &d).map_err(gpu_err)?;
         Ok(Op::new(step, k))
     }
@@ -392,10 +407,10 @@ impl LayerOps {
             }
             fused => {
                 let input = b.input(false, &w.input_norm, eps, &mut pre)?;
-                let split = Some([d.qw, d.qw + d.kw]);
+                let split = [d.qw, d.qw + d.kw];
                 let hn = BufRef::new(&a.hn);
-                let one = (fused.filter(|_| b.gemm))
-                    .map(|fw| b.mm_split("qkv", fw, None, hn, a.q(n), None, split));
+                let one =
+                    (fused.filter(|_| b.gemm)).map(|fw| b.mm_split("qkv", fw, hn, a.q(n), split));
                 match one {
                     Some(Ok(op)) => pre.push(op),
                     // (The stacked matrix may not fit one storage binding where the separate
