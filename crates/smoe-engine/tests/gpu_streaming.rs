@@ -72,10 +72,28 @@ fn gpu_tokens_do_not_depend_on_the_expert_cache() {
                 piece >= DEFAULT_READ_PIECE || stride > piece,
                 "{name}: one piece"
             );
-            assert_eq!(greedy(&e, &prompt, 24), want_tokens, "{name} {budget:?}");
             let Model::Gpu(g) = &e.model else {
                 unreachable!()
             };
+            let before = g.slot_stats().expect("streaming");
+            assert_eq!(greedy(&e, &prompt, 24), want_tokens, "{name} {budget:?}");
+            // Decode runs through the MoE layers whose experts all sit in VRAM (the GPU maps
+            // the router's choice to slots itself); every MoE layer stopping for the host, as
+            // prompt batches do, gives the same tokens.
+            let through = g.slot_stats().unwrap().run_through - before.run_through;
+            if budget == CacheBudget::Fraction(1.0) {
+                assert!(through > 0, "{name}: no layer ran through");
+            }
+            g.set_run_through(false);
+            let before = g.slot_stats().unwrap();
+            assert_eq!(
+                greedy(&e, &prompt, 24),
+                want_tokens,
+                "{name} {budget:?}, stops"
+            );
+            assert_eq!(g.slot_stats().unwrap().run_through, before.run_through);
+            g.set_run_through(true);
+            eprintln!("{name} {budget:?}: {through} MoE layers ran through");
             let before = g.slot_stats().expect("streaming");
             let lp = e.logprobs(&prompt).unwrap().logprobs;
             assert_eq!(lp.len(), want_lp.len());

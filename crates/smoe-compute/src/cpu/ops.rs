@@ -133,6 +133,15 @@ pub fn attention(
     });
 }
 
+/// A streaming layer's expert ids mapped to the VRAM slots that hold them (`table`: expert →
+/// slot, `u32::MAX` where none does): `None` when any chosen expert has no slot (the GPU's slot
+/// map then halts its pass for the host to fill the slots).
+pub fn slot_map(ids: &[u32], table: &[u32]) -> Option<Vec<u32>> {
+    ids.iter()
+        .map(|&e| table.get(e as usize).copied().filter(|&s| s != u32::MAX))
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -8,6 +8,7 @@
 
 use super::buffers::{Binding, BufRef};
 use super::context::{GpuContext, GpuError};
+use super::launch::Launch;
 use super::ops::{recordable, Dispatch};
 
 /// Per-head RMSNorm of q and k, RoPE on both, and the append of k and v to the caches.
@@ -464,9 +465,14 @@ impl DecodeAttention {
 impl DecodeAttention {
     /// Records the kernel into an open compute pass.
     pub fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
-        self.split.record(pass);
+        self.record_with(pass, &mut Launch::Direct);
+    }
+
+    /// Records the kernel, launched as `launch` says.
+    pub fn record_with(&self, pass: &mut wgpu::ComputePass<'_>, launch: &mut Launch) {
+        self.split.record_with(pass, launch);
         if let Some(c) = &self.combine {
-            c.record(pass);
+            c.record_with(pass, launch);
         }
     }
 

@@ -181,6 +181,11 @@ impl GpuContext {
     async fn open(bounds_checks: bool, tails: bool) -> Result<Self, GpuError> {
         let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
         desc.backends = wgpu::Backends::from_env().unwrap_or(wgpu::Backends::PRIMARY);
+        // wgpu checks every indirect dispatch's counts with an extra dispatch and two barriers
+        // before it. Ours are counts the wrappers checked when they were built, or zeros
+        // (`Launch`, `SlotMap`), so the check would only slow a streaming pass down.
+        desc.flags
+            .remove(wgpu::InstanceFlags::VALIDATION_INDIRECT_CALL);
         let instance = wgpu::Instance::new(desc);
         let adapter = instance
             .request_adapter(&wgpu::RequestAdapterOptions {

@@ -96,6 +96,7 @@ const KERNELS: &[(&str, &str, &[Fragment])] = &[
     ("copy", include_str!("../../kernels/copy.wgsl"), &[]),
     ("embed", include_str!("../../kernels/embed.wgsl"), &[]),
     ("eltwise", include_str!("../../kernels/eltwise.wgsl"), &[]),
+    ("slot_map", include_str!("../../kernels/slot_map.wgsl"), &[]),
 ];
 
 /// Every kernel's name (for the Metal translation test and `smoe info`).

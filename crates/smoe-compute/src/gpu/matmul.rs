@@ -8,6 +8,7 @@
 use super::buffers::{Binding, BufRef};
 use super::context::{GpuContext, GpuError, MatrixUnits};
 use super::expert_sort::ExpertSort;
+use super::launch::Launch;
 use super::matvec::WeightRef;
 use super::parts::split_rows;
 use smoe_vault::quant::DType;
@@ -470,10 +471,15 @@ impl MatMul {
 
     /// Records the product into an open compute pass (grouped: after the `ExpertSort`).
     pub fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
+        self.record_with(pass, &mut Launch::Direct);
+    }
+
+    /// Records the product, launched as `launch` says.
+    pub fn record_with(&self, pass: &mut wgpu::ComputePass<'_>, launch: &mut Launch) {
         pass.set_pipeline(&self.pipeline);
-        for (bind, [x, y, z]) in &self.parts {
+        for (bind, groups) in &self.parts {
             pass.set_bind_group(0, bind, &[]);
-            pass.dispatch_workgroups(*x, *y, *z);
+            launch.dispatch(pass, *groups);
         }
     }
 

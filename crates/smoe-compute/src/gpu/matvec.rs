@@ -3,6 +3,7 @@
 
 use super::buffers::{Binding, BufRef};
 use super::context::{GpuContext, GpuError};
+use super::launch::Launch;
 use super::parts::split_rows;
 use smoe_vault::quant::DType;
 
@@ -674,10 +675,15 @@ impl MatVec {
 
     /// Records the product into an open compute pass.
     pub fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
+        self.record_with(pass, &mut Launch::Direct);
+    }
+
+    /// Records the product, launched as `launch` says.
+    pub fn record_with(&self, pass: &mut wgpu::ComputePass<'_>, launch: &mut Launch) {
         pass.set_pipeline(&self.pipeline);
-        for (bind, [x, y, z]) in &self.parts {
+        for (bind, groups) in &self.parts {
             pass.set_bind_group(0, bind, &[]);
-            pass.dispatch_workgroups(*x, *y, *z);
+            launch.dispatch(pass, *groups);
         }
     }
 

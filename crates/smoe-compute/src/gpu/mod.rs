@@ -19,11 +19,13 @@ mod context;
 mod embed;
 mod expert_sort;
 mod kernels;
+mod launch;
 mod matmul;
 mod matvec;
 mod ops;
 mod parts;
 mod router;
+mod slot_map;
 mod spirv;
 mod timestamps;
 
@@ -34,6 +36,7 @@ pub use context::{GpuContext, GpuError, GpuInfo, MatrixUnits};
 pub use embed::EmbedGather;
 pub use expert_sort::{ExpertSort, SORT_MAX_EXPERTS, SORT_MAX_SLOTS};
 pub use kernels::{kernel_names, kernel_source};
+pub use launch::{IndirectArgs, Launch};
 pub use matmul::{MatMul, MatMulDesc, MatMulGrouped, MatMulTuning};
 pub use matvec::{
     Fuse, Grouped, MatVec, MatVecDesc, MatVecTuning, Q4Decode, RouteTail, SumTail, WeightRef,
@@ -41,6 +44,7 @@ pub use matvec::{
 };
 pub use ops::{Argmax, EltOp, Eltwise, RmsNorm, WeightedSum};
 pub use router::Router;
+pub use slot_map::{SlotMap, SlotMapBufs, NO_SLOT};
 pub use timestamps::Timestamps;
 /// The wgpu this backend is built on, for callers that create buffers and encoders.
 pub use wgpu;

@@ -4,6 +4,7 @@
 
 use super::buffers::{Binding, BufRef};
 use super::context::{GpuContext, GpuError};
+use super::launch::Launch;
 
 /// One dispatch, fully prepared at load time.
 pub(crate) struct Dispatch {
@@ -43,9 +44,13 @@ impl Dispatch {
     }
 
     pub(crate) fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
+        self.record_with(pass, &mut Launch::Direct);
+    }
+
+    pub(crate) fn record_with(&self, pass: &mut wgpu::ComputePass<'_>, launch: &mut Launch) {
         pass.set_pipeline(&self.pipeline);
         pass.set_bind_group(0, &self.bind, &[]);
-        pass.dispatch_workgroups(self.groups[0], self.groups[1], self.groups[2]);
+        launch.dispatch(pass, self.groups);
     }
 }
 
@@ -55,7 +60,15 @@ macro_rules! recordable {
         impl $t {
             /// Records the kernel into an open compute pass.
             pub fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
-                $(self.$field.record(pass);)+
+                self.record_with(pass, &mut $crate::gpu::Launch::Direct);
+            }
+            /// Records the kernel, launched as `launch` says.
+            pub fn record_with(
+                &self,
+                pass: &mut wgpu::ComputePass<'_>,
+                launch: &mut $crate::gpu::Launch,
+            ) {
+                $(self.$field.record_with(pass, launch);)+
             }
             /// Records the kernel into its own compute pass of `enc`.
             pub fn encode(&self, enc: &mut wgpu::CommandEncoder) {

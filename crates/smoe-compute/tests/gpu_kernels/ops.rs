@@ -270,3 +270,145 @@ fn embed_gather_matches_dequantize_row() {
         assert_close(&format!("embed {dtype}"), &got, &want, 1e-12);
     }
 }
+
+/// The streaming slot map against `cpu::ops::slot_map`: where every chosen expert has a slot,
+/// ids become slots and the indirect dispatches after it run; where one has none, the pass
+/// halts (status = 1 + layer; the indirect dispatches after it run no workgroups, those before
+/// it did); after a halt, a later slot map does nothing. Expert ids are kept for the host in
+/// either case. Odd sizes: 60 experts, 2 tokens × top-6 in rows of 24.
+#[test]
+fn slot_map_maps_or_halts_the_pass() {
+    use smoe_compute::gpu::{wgpu, IndirectArgs, Launch, SlotMap, SlotMapBufs, NO_SLOT};
+    let Some(ctx) = gpu() else { return };
+    let (layers, experts, count, row) = (3, 60, 12, 24);
+    // Layer l's table: expert e in slot (e·7 + l) % 40, except every fifth expert of layer 2.
+    let table: Vec<u32> = (0..layers * experts)
+        .map(|i| {
+            let (l, e) = (i / experts, i % experts);
+            match l == 2 && e % 5 == 0 {
+                true => NO_SLOT,
+                false => ((e * 7 + l) % 40) as u32,
+            }
+        })
+        .collect();
+    let hits: Vec<u32> = (0..count as u32)
+        .map(|j| (j * 11 + 1) % 60)
+        .filter(|e| e % 5 != 0)
+        .collect();
+    let hits = [&hits[..], &hits[..]].concat()[..count].to_vec();
+    let mut misses = hits.clone();
+    misses[7] = 35; // no slot in layer 2
+    let logits = rand_vec(1000, 9, 1.0);
+    // (layer, ids, halted before)
+    for (layer, ids, pre_halted) in [
+        (1usize, &hits, 0u32),
+        (2, &hits, 0),
+        (2, &misses, 0),
+        (1, &hits, 2),
+    ] {
+        let what = format!("layer {layer}, ids {ids:?}, halted before: {pre_halted}");
+        let idb = ctx.upload("ids", bytemuck::cast_slice(ids));
+        let tb = ctx.upload("table", bytemuck::cast_slice(&table));
+        let cb = ctx.upload("chosen", &vec![0xEE; 4 * layers * row]);
+        let sb = ctx.upload("status", bytemuck::cast_slice(&[pre_halted, 0, 0, 0]));
+        let mut args = IndirectArgs::new(ctx, 8);
+        let b = SlotMapBufs {
+            ids: BufRef::new(&idb),
+            table: &tb,
+            chosen: &cb,
+            args: &args,
+            status: &sb,
+        };
+        let map = SlotMap::new(ctx, &b, layer, experts, count, row).unwrap();
+        // An argmax before the slot map and one after it, both launched indirectly.
+        let xb = ctx.upload_f32("logits", &logits);
+        let (before, after) = (
+            ctx.upload("before", &[0xFF; 16]),
+            ctx.upload("after", &[0xFF; 16]),
+        );
+        let am = |out: &wgpu::Buffer| {
+            Argmax::new(ctx, BufRef::new(&xb), BufRef::new(out), logits.len(), 1).unwrap()
+        };
+        let (a0, a1) = (am(&before), am(&after));
+        let mut enc = ctx.encoder();
+        {
+            let mut pass = enc.begin_compute_pass(&Default::default());
+            let mut launch = Launch::Indirect(&mut args);
+            a0.record_with(&mut pass, &mut launch);
+            map.record_with(&mut pass, &mut launch);
+            a1.record_with(&mut pass, &mut launch);
+        }
+        assert_eq!(args.len(), 2, "{what}: the slot map launches directly");
+        args.upload(&ctx.queue);
+        ctx.submit_wait(enc);
+        let read = |buf: &wgpu::Buffer, n: usize| ctx.read_u32(buf, 0, n).unwrap();
+        let want = cpu_argmax(&logits);
+        assert_eq!(
+            read(&before, 1)[0],
+            want,
+            "{what}: the dispatch before it ran"
+        );
+        let chosen = read(&cb, layers * row);
+        let mapped = ops::slot_map(ids, &table[layer * experts..(layer + 1) * experts]);
+        if pre_halted != 0 {
+            assert_eq!(read(&sb, 1)[0], pre_halted, "{what}");
+            assert_eq!(read(&idb, count), *ids, "{what}: ids left alone");
+            assert!(
+                chosen.iter().all(|&c| c == 0xEEEE_EEEE),
+                "{what}: chosen left alone"
+            );
+            continue;
+        }
+        assert_eq!(
+            &chosen[layer * row..layer * row + count],
+            &ids[..],
+            "{what}: chosen ids"
+        );
+        let others = (0..layers * row).filter(|i| !(layer * row..layer * row + count).contains(i));
+        assert!(
+            others.into_iter().all(|i| chosen[i] == 0xEEEE_EEEE),
+            "{what}: only its row"
+        );
+        match mapped {
+            Some(slots) => {
+                assert_eq!(read(&idb, count), slots, "{what}: slots");
+                assert_eq!(read(&sb, 1)[0], 0, "{what}: ran on");
+                assert_eq!(
+                    read(&after, 1)[0],
+                    want,
+                    "{what}: the dispatch after it ran"
+                );
+            }
+            None => {
+                assert_eq!(read(&sb, 1)[0], layer as u32 + 1, "{what}: halted");
+                assert_eq!(
+                    read(&after, 1)[0],
+                    u32::MAX,
+                    "{what}: the dispatch after it did not run"
+                );
+                assert!(
+                    read(args.buffer(), 6).iter().all(|&w| w == 0),
+                    "{what}: counts zeroed"
+                );
+            }
+        }
+    }
+    // Shapes it cannot serve are refused.
+    let small = ctx.upload("small", &[0; 16]);
+    let args = IndirectArgs::new(ctx, 1);
+    let b = SlotMapBufs {
+        ids: BufRef::new(&small),
+        table: &small,
+        chosen: &small,
+        args: &args,
+        status: &small,
+    };
+    assert!(
+        SlotMap::new(ctx, &b, 0, 60, 4, 4).is_err(),
+        "a table without the layer's row"
+    );
+    assert!(
+        SlotMap::new(ctx, &b, 0, 4, 8, 4).is_err(),
+        "more ids than a row holds"
+    );
+}

@@ -92,7 +92,12 @@ impl Readback {
 
     /// Records the copy of the first `bytes` of `src` (after the compute pass).
     pub fn copy(&self, enc: &mut wgpu::CommandEncoder, src: &wgpu::Buffer, bytes: u64) {
-        enc.copy_buffer_to_buffer(src, 0, &self.staging, 0, bytes.next_multiple_of(4));
+        self.copy_at(enc, src, 0, bytes);
+    }
+
+    /// Records the copy of the first `bytes` of `src` to byte `at` (a multiple of 4).
+    pub fn copy_at(&self, enc: &mut wgpu::CommandEncoder, src: &wgpu::Buffer, at: u64, bytes: u64) {
+        enc.copy_buffer_to_buffer(src, 0, &self.staging, at, bytes.next_multiple_of(4));
     }
 
     /// Waits for the submission that copied (the latest one), and hands its first `bytes` to

@@ -13,8 +13,8 @@ use super::weights::Weights;
 use super::{batch_sizes, gpu_err};
 use crate::error::EngineError;
 use smoe_compute::gpu::{
-    wgpu, AttnDesc, BufRef, DecodeAttention, FusedRope, GpuContext, PrefillAttention, QkNormRope,
-    QkNormRopeDesc,
+    wgpu, AttnDesc, BufRef, DecodeAttention, FusedRope, GpuContext, Launch, PrefillAttention,
+    QkNormRope, QkNormRopeDesc,
 };
 use smoe_vault::ModelConfig;
 use std::sync::{Mutex, Weak};
@@ -128,10 +128,10 @@ enum Attention {
 }
 
 impl Dispatch for Attention {
-    fn record_into(&self, pass: &mut wgpu::ComputePass<'_>) {
+    fn record_into(&self, pass: &mut wgpu::ComputePass<'_>, launch: &mut Launch) {
         match self {
-            Attention::Decode(a) => a.record(pass),
-            Attention::Prefill(a) => a.record(pass),
+            Attention::Decode(a) => a.record_with(pass, launch),
+            Attention::Prefill(a) => a.record_with(pass, launch),
         }
     }
 }

@@ -40,7 +40,7 @@ pub(crate) struct Op {
 }
 
 impl Op {
-    fn new(step: &'static str, kernel: impl Dispatch + Send + Sync + 'static) -> Self {
+    pub(crate) fn new(step: &'static str, kernel: impl Dispatch + Send + Sync + 'static) -> Self {
         Op {
             step,
             kernel: Box::new(kernel),

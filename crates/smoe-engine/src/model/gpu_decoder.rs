@@ -33,8 +33,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 mod streaming;
+mod through;
 pub use streaming::SlotStats;
 use streaming::Streaming;
+use through::Through;
 
 pub struct GpuDecoder {
     pub cfg: ModelConfig,
@@ -144,6 +146,17 @@ enum Stop {
 enum End {
     Logits(Logits),
     Greedy,
+}
+
+/// Records the head a pass of this `end` needs (`last`: its last piece): all logits, the last
+/// row's, or its argmax.
+fn record_head(head: &Head, r: &mut Recorder, end: End, last: bool) {
+    match end {
+        End::Logits(Logits::All) => head.record_all(r),
+        End::Logits(Logits::Last) if last => head.record_last(r, false),
+        End::Greedy if last => head.record_last(r, true),
+        _ => {}
+    }
 }
 
 impl GpuDecoder {
@@ -263,6 +276,9 @@ impl GpuDecoder {
             );
         }
         let acts = Acts::new(ctx, &cfg);
+        if let Some(st) = &mut streaming {
+            st.through = Some(Through::new(ctx, &cfg, &acts, st.max_piece)?);
+        }
         let chain = match weights.embedding(cfg.tie_word_embeddings) {
             Some(e) => {
                 let (ids, x) = (BufRef::new(&acts.argmax), BufRef::new(&acts.x));
@@ -408,14 +424,12 @@ impl GpuDecoder {
         end: End,
         out: &mut Vec<f32>,
     ) -> Result<Option<u32>, EngineError> {
-        let c = &self.cfg;
         self.prepare(kv, tokens)?;
         let gkv = kv.gpu.as_deref().expect("prepared");
         let mut rows = self.running.lock().unwrap_or_else(|e| e.into_inner());
         let started = Instant::now();
         let mut host = std::time::Duration::ZERO;
         let mut prof = self.profiling.lock().unwrap_or_else(|e| e.into_inner());
-        let vocab = c.vocab_size;
         let mut greedy = None;
         let mut done = 0;
         while done < tokens.len() {
@@ -435,6 +449,19 @@ impl GpuDecoder {
             self.write_inputs(&mut rows, &tokens[done..done + n], kv.len + done);
             let q = &self.ctx.queue;
             let (layers, head) = &self.batches[n.trailing_zeros() as usize];
+            // Streaming decode: through the layers whose experts sit in VRAM (`through`).
+            let through = (self.streaming.as_ref())
+                .filter(|_| prof.is_none())
+                .and_then(|st| Some((st, st.through.as_ref()?)))
+                .and_then(|(st, th)| Some((st, th, th.maps(n)?)));
+            if let Some((st, th, maps)) = through {
+                let ops = (&layers[..], head);
+                let id =
+                    self.run_through(st, th, maps, gkv, ops, n, (end, last), &mut host, out)?;
+                greedy = id.or(greedy);
+                done += n;
+                continue;
+            }
             // Resident: the whole pass is one submission. Streaming: one per MoE layer, each
             // ending at the router (`stop`); the next resumes at the layer's expert dispatches.
             let mut first = true;
@@ -455,12 +482,7 @@ impl GpuDecoder {
                     first = false;
                     stop = self.record_layers(&mut r, layers, gkv, n, from, resume, SUBMIT_LAYERS);
                     if stop == Stop::End {
-                        match end {
-                            End::Logits(Logits::All) => head.record_all(&mut r),
-                            End::Logits(Logits::Last) if last => head.record_last(&mut r, false),
-                            End::Greedy if last => head.record_last(&mut r, true),
-                            _ => {}
-                        }
+                        record_head(head, &mut r, end, last);
                         r.end();
                     }
                 }
@@ -521,28 +543,11 @@ impl GpuDecoder {
             if let Some(p) = prof.as_mut() {
                 p.ts.resolve(&mut enc);
             }
-            let (src, bytes) = match end {
-                End::Logits(Logits::All) => (&self.acts.logits, 4 * (n * vocab) as u64),
-                End::Logits(Logits::Last) if last => (&self.acts.logits, 4 * vocab as u64),
-                End::Greedy if last => (&self.acts.argmax, 4),
-                _ => (&self.acts.logits, 0),
-            };
-            if bytes > 0 {
-                self.readback.copy(&mut enc, src, bytes);
-            }
+            let bytes = self.copy_result(&mut enc, end, last, n);
             let submitting = Instant::now();
             q.submit([enc.finish()]);
             host += submitting.elapsed();
-            if bytes > 0 {
-                if end == End::Greedy {
-                    greedy = Some(self.readback.read(&self.ctx, 4, |b| {
-                        u32::from_le_bytes([b[0], b[1], b[2], b[3]])
-                    })?);
-                } else {
-                    self.readback
-                        .read(&self.ctx, bytes, |b| gpu::extend_f32(out, b))?;
-                }
-            }
+            greedy = self.read_result(end, bytes, out)?.or(greedy);
             if let Some(p) = prof.as_mut() {
                 if bytes == 0 {
                     // Nothing was read back: wait for the GPU before reading the marks.
@@ -563,6 +568,43 @@ impl GpuDecoder {
                 .fetch_add(nanos(started.elapsed()), Ordering::Relaxed);
         }
         Ok(greedy)
+    }
+
+    /// Records the copy of what a pass of n tokens returns (`end`; `last`: its last piece) into
+    /// the read-back buffer; returns its size (0: nothing).
+    fn copy_result(&self, enc: &mut wgpu::CommandEncoder, end: End, last: bool, n: usize) -> u64 {
+        let vocab = self.cfg.vocab_size;
+        let (src, bytes) = match end {
+            End::Logits(Logits::All) => (&self.acts.logits, 4 * (n * vocab) as u64),
+            End::Logits(Logits::Last) if last => (&self.acts.logits, 4 * vocab as u64),
+            End::Greedy if last => (&self.acts.argmax, 4),
+            _ => (&self.acts.logits, 0),
+        };
+        if bytes > 0 {
+            self.readback.copy(enc, src, bytes);
+        }
+        bytes
+    }
+
+    /// After the submission that copied it (`copy_result`): the greedy id, or the logits
+    /// appended to `out`.
+    fn read_result(
+        &self,
+        end: End,
+        bytes: u64,
+        out: &mut Vec<f32>,
+    ) -> Result<Option<u32>, EngineError> {
+        if bytes == 0 {
+            return Ok(None);
+        }
+        if end == End::Greedy {
+            return Ok(Some(self.readback.read(&self.ctx, 4, |b| {
+                u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+            })?));
+        }
+        self.readback
+            .read(&self.ctx, bytes, |b| gpu::extend_f32(out, b))?;
+        Ok(None)
     }
 
     /// Records layers `from..` of a batch of n tokens until the pass's end, a submission
@@ -666,6 +708,15 @@ impl GpuDecoder {
     }
 
     /// Whether `decode_greedy` runs chains (resident, embedding on the GPU).
+    /// Streaming: whether decode batches run through the MoE layers whose experts sit in VRAM
+    /// (`through`, the default; `SMOE_GPU_SLOT_TABLE=0` starts with it off) or stop at every
+    /// router as prompt batches do. For tests and measurements.
+    pub fn set_run_through(&self, on: bool) {
+        if let Some(th) = self.streaming.as_ref().and_then(|s| s.through.as_ref()) {
+            th.on.store(on, Ordering::Relaxed);
+        }
+    }
+
     pub fn chains_greedy(&self) -> bool {
         self.chain().is_some()
     }

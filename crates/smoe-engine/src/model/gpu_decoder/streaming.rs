@@ -3,6 +3,7 @@
 //! rounds of experts for prompt batches that outnumber the slots, the profile preload — and
 //! what the host's time at the stops went to (`SlotStats`).
 
+use super::through::Through;
 use super::{nanos, GpuDecoder};
 use crate::error::EngineError;
 use crate::gpu::{Op, Readback, Recorder, SlotWriter, T_MAX};
@@ -46,6 +47,11 @@ pub(super) struct Streaming {
     stops: AtomicU64,
     /// Stops where every chosen expert already had a slot (`SlotStats::hit_stops`).
     hit_stops: AtomicU64,
+    /// MoE layers that ran without a stop (`SlotStats::run_through`).
+    through_layers: AtomicU64,
+    /// Decode batches run through the layers whose experts sit in VRAM (`through`); `None`
+    /// where its buffers could not be made.
+    pub(super) through: Option<Through>,
 }
 
 /// What the streaming GPU path did since load (or `reset_slot_stats`): VRAM slot hits and misses
@@ -57,9 +63,12 @@ pub struct SlotStats {
     /// Router stops (one submission and wait per MoE layer and batch).
     pub stops: u64,
     /// Stops at which every expert the router chose already sat in a VRAM slot: nothing was
-    /// read or copied, and the round trip bought nothing but the slot indices (what a slot
-    /// table on the GPU would let the pass run through).
+    /// read or copied, and the round trip bought nothing but the slot indices. Decode batches
+    /// make almost none (they run through such layers), prompt batches one per such layer.
     pub hit_stops: u64,
+    /// MoE layers of decode batches whose experts all sat in VRAM and that ran without a stop:
+    /// the GPU mapped the router's choice to slots itself (`gpu_decoder::through`).
+    pub run_through: u64,
     /// Waiting for the GPU to reach a router stop (its compute, and the submission's latency).
     pub gpu_wait_s: f64,
     /// Filling slots: reads waited for, plus the uploads below.
@@ -134,6 +143,8 @@ impl Streaming {
             pass_ns: AtomicU64::new(0),
             stops: AtomicU64::new(0),
             hit_stops: AtomicU64::new(0),
+            through_layers: AtomicU64::new(0),
+            through: None,
         }
     }
 }
@@ -280,6 +291,7 @@ impl GpuDecoder {
                     held[s as usize] = (None, 0);
                 }
             }
+            self.sync_table(st, l, slot_of);
         };
         // (Called even without misses: it also drops this layer's unused lookahead reads and
         // starts the next layer's.)
@@ -347,7 +359,45 @@ impl GpuDecoder {
             let landed = (misses.len() - copied) as u64;
             st.landed.fetch_add(landed, Ordering::Relaxed);
         }
+        if !misses.is_empty() {
+            self.sync_table(st, l, slot_of);
+        }
         Ok(used.iter().map(|&e| slot_of[e].expect("filled")).collect())
+    }
+
+    /// The GPU's copy of layer `l`'s slot table (`through`) after the host's changed.
+    fn sync_table(&self, st: &Streaming, l: usize, slot_of: &[Option<u32>]) {
+        if let Some(th) = &st.through {
+            th.write_row(&self.ctx, l, slot_of);
+        }
+    }
+
+    /// A decode batch ran MoE layer `l` through with the experts `ids` from their slots: the
+    /// same bookkeeping as a stop where all hit (uses, recency, hits).
+    pub(super) fn ran_through(
+        &self,
+        st: &Streaming,
+        l: usize,
+        ids: &[u32],
+    ) -> Result<(), EngineError> {
+        let used: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
+        self.experts.note_uses(l, &used);
+        let experts = distinct(ids);
+        let mut t = st.table.lock().unwrap_or_else(|e| e.into_inner());
+        t.clock += 1;
+        let now = t.clock;
+        let SlotTable { slot_of, held, .. } = &mut *t;
+        for &e in &experts {
+            let Some(s) = slot_of[l].get(e as usize).copied().flatten() else {
+                return Err(EngineError::Backend(format!(
+                    "GPU: layer {l} ran expert {e} from a VRAM slot, but the host's table has none for it"
+                )));
+            };
+            held[l][s as usize].1 = now;
+        }
+        st.hits.fetch_add(experts.len() as u64, Ordering::Relaxed);
+        st.through_layers.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Streaming: fills the host cache (where there is one) and then each MoE layer's VRAM slots
@@ -389,6 +439,7 @@ impl GpuDecoder {
             misses: s.misses.load(Ordering::Relaxed),
             stops: s.stops.load(Ordering::Relaxed),
             hit_stops: s.hit_stops.load(Ordering::Relaxed),
+            run_through: s.through_layers.load(Ordering::Relaxed),
             gpu_wait_s: secs(&s.gpu_wait_ns),
             fill_s: secs(&s.fill_ns),
             upload_s: secs(&s.upload_ns),

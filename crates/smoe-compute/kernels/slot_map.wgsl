@@ -1,0 +1,64 @@
+// Slot map (CPU twin: cpu::slot_map): a streaming pass's router chose experts `ids` for one MoE
+// layer; the expert kernels want the VRAM slots that hold them. `table` (per layer, expert →
+// slot, NONE when no slot holds it) is the host's slot table kept in GPU memory. When every
+// chosen expert has a slot, ids become slots and the pass runs on without the host. When one
+// has none, the pass halts here: every indirect dispatch's launch counts are zeroed (the
+// dispatches after this one then run no workgroups) and status records 1 + this layer, so the
+// host can fill the slots and resume at this layer's experts. Either way the expert ids are
+// kept in `chosen` for the host. A slot map after a halt does nothing.
+
+struct Params {
+    layer: u32,
+    count: u32,      // chosen ids: tokens × top-k
+    experts: u32,    // experts per layer
+    args_words: u32, // u32 words of indirect launch counts to zero on a halt
+    ids_off: u32,
+    table_off: u32,  // this layer's row of the table
+    chosen_off: u32, // this layer's place in chosen
+    _pad: u32,
+}
+
+const NONE: u32 = 0xffffffffu;
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read_write> ids: array<u32>;
+@group(0) @binding(2) var<storage, read> table: array<u32>;
+@group(0) @binding(3) var<storage, read_write> chosen: array<u32>;
+@group(0) @binding(4) var<storage, read_write> args: array<u32>;
+@group(0) @binding(5) var<storage, read_write> status: array<u32>;
+
+var<workgroup> missed: atomic<u32>;
+var<workgroup> halted: u32;
+
+@compute @workgroup_size(64)
+fn main(@builtin(local_invocation_index) i: u32) {
+    if (i == 0u) {
+        atomicStore(&missed, 0u);
+        halted = status[0];
+    }
+    workgroupBarrier();
+    // An earlier layer halted the pass: this layer's router did not run.
+    if (workgroupUniformLoad(&halted) != 0u) {
+        return;
+    }
+    for (var j = i; j < p.count; j += 64u) {
+        let e = ids[p.ids_off + j];
+        chosen[p.chosen_off + j] = e;
+        if (e >= p.experts || table[p.table_off + e] == NONE) {
+            atomicStore(&missed, 1u);
+        }
+    }
+    workgroupBarrier();
+    if (atomicLoad(&missed) == 0u) {
+        for (var j = i; j < p.count; j += 64u) {
+            ids[p.ids_off + j] = table[p.table_off + chosen[p.chosen_off + j]];
+        }
+    } else {
+        for (var w = i; w < p.args_words; w += 64u) {
+            args[w] = 0u;
+        }
+        if (i == 0u) {
+            status[0] = p.layer + 1u;
+        }
+    }
+}

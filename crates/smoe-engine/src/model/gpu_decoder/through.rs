@@ -1,0 +1,288 @@
+//! Streaming decode without a host round trip at every MoE layer: the GPU keeps a copy of the
+//! host's slot table (expert → VRAM slot, per layer) and maps each router's choice to slots
+//! itself (`SlotMap`). A window of layers runs as one submission whose dispatches launch
+//! indirectly; the first MoE layer that chooses an expert no slot holds halts it (its slot map
+//! zeroes the launch counts of everything after it) and the host reads which layer that was,
+//! fills the slots as at a router stop, and resumes the pass at that layer's experts. A token
+//! whose experts all sit in VRAM costs one round trip per window instead of one per MoE layer.
+//!
+//! The next window is recorded while the GPU runs the current one and submitted once the
+//! current one is known to have run through (two sets of launch counts, by window parity).
+
+use super::streaming::Streaming;
+use super::{nanos, record_head, End, GpuDecoder};
+use crate::error::EngineError;
+use crate::gpu::{Acts, GpuKv, Head, LayerOps, Op, Readback, Recorder, GEMM_MIN};
+use smoe_compute::gpu::{wgpu, BufRef, GpuContext, IndirectArgs, SlotMap, SlotMapBufs, NO_SLOT};
+use smoe_vault::ModelConfig;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Layers per submission (a window); windows start at multiples of it.
+const WINDOW: usize = 8;
+
+/// The largest batch that runs through (decode and short pieces; the slot maps and `chosen`
+/// are sized for it).
+const MAX_N: usize = GEMM_MIN / 2;
+
+/// Dispatches one window can record (a Qwen3-MoE layer records ~8 for a decode batch; the
+/// head a few more).
+const WINDOW_DISPATCHES: usize = 64 * WINDOW + 64;
+
+/// What running through needs on the GPU, beside `Streaming`.
+pub(super) struct Through {
+    /// `[layers][experts]` u32: the slot holding each expert, or `NO_SLOT` (the host's table,
+    /// written after every fill).
+    table: wgpu::Buffer,
+    experts: usize,
+    /// `[layers][MAX_N·k]`: each MoE layer's chosen expert ids, for the host.
+    chosen: wgpu::Buffer,
+    /// `[0]`: 1 + the layer that halted the pass, or 0.
+    status: wgpu::Buffer,
+    /// Launch counts by window parity.
+    args: Mutex<[IndirectArgs; 2]>,
+    /// Per batch size (index log2 n, up to `MAX_N`) and layer: the slot map of MoE layers.
+    maps: Vec<Vec<Option<Op>>>,
+    /// Status, chosen ids and the lookahead's guess of the last window.
+    readback: Readback,
+    /// Off: every MoE layer stops for the host, as prompt batches do (`set_run_through`).
+    pub(super) on: AtomicBool,
+}
+
+/// Byte layout of `Through::readback`: status (16 bytes), chosen ids, lookahead ids.
+fn chosen_bytes(cfg: &ModelConfig) -> u64 {
+    4 * (cfg.num_layers * MAX_N * cfg.num_experts_per_tok.max(1)) as u64
+}
+
+impl Through {
+    /// `max_piece`: the largest batch whose experts always fit the slots.
+    pub(super) fn new(
+        ctx: &GpuContext,
+        cfg: &ModelConfig,
+        acts: &Acts,
+        max_piece: usize,
+    ) -> Result<Self, EngineError> {
+        let k = cfg.num_experts_per_tok.max(1);
+        let buf = |label: &str, bytes: u64, usage: wgpu::BufferUsages| {
+            ctx.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(label),
+                size: bytes.max(16).next_multiple_of(16),
+                usage: wgpu::BufferUsages::STORAGE | usage,
+                mapped_at_creation: false,
+            })
+        };
+        let experts = cfg.num_experts;
+        let table = buf(
+            "slot table",
+            4 * (cfg.num_layers * experts) as u64,
+            wgpu::BufferUsages::COPY_DST,
+        );
+        let none = vec![NO_SLOT; cfg.num_layers * experts];
+        ctx.queue
+            .write_buffer(&table, 0, bytemuck::cast_slice(&none));
+        let chosen = buf(
+            "chosen experts",
+            chosen_bytes(cfg),
+            wgpu::BufferUsages::COPY_SRC,
+        );
+        let status = buf(
+            "halt status",
+            16,
+            wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+        );
+        let args = [0, 1].map(|_| IndirectArgs::new(ctx, WINDOW_DISPATCHES));
+        let mut maps = vec![];
+        for n in crate::gpu::batch_sizes() {
+            if n > MAX_N.min(max_piece) {
+                break;
+            }
+            let layer_maps = (0..cfg.num_layers)
+                .map(|l| {
+                    if !cfg.moe_layers().any(|m| m == l) {
+                        return Ok(None);
+                    }
+                    let b = SlotMapBufs {
+                        ids: BufRef::new(&acts.ids),
+                        table: &table,
+                        chosen: &chosen,
+                        args: &args[(l / WINDOW) % 2],
+                        status: &status,
+                    };
+                    // `chosen` rows are `MAX_N·k` wide whatever n is.
+                    let map = SlotMap::new(ctx, &b, l, experts, n * k, MAX_N * k)
+                        .map_err(crate::gpu::gpu_err)?;
+                    Ok(Some(Op::new("slot map", map)))
+                })
+                .collect::<Result<Vec<_>, EngineError>>()?;
+            maps.push(layer_maps);
+        }
+        let ahead = 4 * (MAX_N * k) as u64;
+        Ok(Through {
+            readback: Readback::new(ctx, 16 + chosen_bytes(cfg) + ahead),
+            table,
+            experts,
+            chosen,
+            status,
+            args: Mutex::new(args),
+            maps,
+            on: AtomicBool::new(std::env::var("SMOE_GPU_SLOT_TABLE").as_deref() != Ok("0")),
+        })
+    }
+
+    /// The slot maps of a batch of n tokens, where such a batch runs through.
+    pub(super) fn maps(&self, n: usize) -> Option<&[Option<Op>]> {
+        let maps = self.maps.get(n.trailing_zeros() as usize)?;
+        (n.is_power_of_two() && self.on.load(Ordering::Relaxed)).then_some(&maps[..])
+    }
+
+    /// Copies layer `l`'s row of the host's slot table to the GPU (ordered before the next
+    /// submission).
+    pub(super) fn write_row(&self, ctx: &GpuContext, l: usize, slot_of: &[Option<u32>]) {
+        let row: Vec<u32> = (slot_of.iter()).map(|s| s.unwrap_or(NO_SLOT)).collect();
+        let at = 4 * (l * self.experts) as u64;
+        ctx.queue
+            .write_buffer(&self.table, at, bytemuck::cast_slice(&row));
+    }
+}
+
+/// What one window's submission read back.
+struct Ran {
+    /// The MoE layer that halted the window, if one did.
+    halted: Option<usize>,
+    /// `[layers][MAX_N·k]` chosen ids.
+    chosen: Vec<u32>,
+    /// The lookahead router's ids at the halted layer.
+    guess: Vec<u32>,
+}
+
+impl GpuDecoder {
+    /// Runs a streaming batch of n ≤ `MAX_N` tokens through its layers (module doc), with the
+    /// head `end` asks for (`last`: the caller's last piece). Returns the greedy id, or appends
+    /// the logits to `out`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn run_through(
+        &self,
+        st: &Streaming,
+        th: &Through,
+        maps: &[Option<Op>],
+        gkv: &GpuKv,
+        (layers, head): (&[LayerOps], &Head),
+        n: usize,
+        (end, last): (End, bool),
+        host: &mut Duration,
+        out: &mut Vec<f32>,
+    ) -> Result<Option<u32>, EngineError> {
+        let q = &self.ctx.queue;
+        let k = self.acts.d.k;
+        let row = MAX_N * k;
+        let chosen_len = chosen_bytes(&self.cfg);
+        let mut args = th.args.lock().unwrap_or_else(|e| e.into_inner());
+        // Records the window that starts at layer `from` (`resume`: at its experts).
+        let record = |args: &mut [IndirectArgs; 2], from: usize, resume: bool| {
+            let recording = Instant::now();
+            let to = ((from / WINDOW + 1) * WINDOW).min(layers.len());
+            let mut enc = self.ctx.encoder();
+            {
+                let pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some("forward, through"),
+                    timestamp_writes: None,
+                });
+                let mut r = Recorder::through(pass, &mut args[(from / WINDOW) % 2]);
+                for (l, ops) in layers.iter().enumerate().take(to).skip(from) {
+                    if resume && l == from {
+                        let at = ops.experts_at.unwrap_or(ops.post.len());
+                        ops.post[at..].iter().for_each(|op| op.record(&mut r));
+                        continue;
+                    }
+                    ops.pre.iter().for_each(|op| op.record(&mut r));
+                    gkv.record(n.trailing_zeros() as usize, l, &mut r);
+                    match (ops.experts_at, &maps[l]) {
+                        (Some(at), Some(map)) => {
+                            ops.post[..at].iter().for_each(|op| op.record(&mut r));
+                            ops.lookahead.iter().for_each(|op| op.record(&mut r));
+                            map.record(&mut r);
+                            ops.post[at..].iter().for_each(|op| op.record(&mut r));
+                        }
+                        _ => ops.post.iter().for_each(|op| op.record(&mut r)),
+                    }
+                }
+                if to == layers.len() {
+                    record_head(head, &mut r, end, last);
+                }
+                r.end();
+            }
+            th.readback.copy_at(&mut enc, &th.status, 0, 16);
+            th.readback.copy_at(&mut enc, &th.chosen, 16, chosen_len);
+            th.readback.copy_at(
+                &mut enc,
+                &self.acts.ahead[1],
+                16 + chosen_len,
+                4 * row as u64,
+            );
+            let bytes = match to == layers.len() {
+                true => self.copy_result(&mut enc, end, last, n),
+                false => 0,
+            };
+            (enc, (from, resume, to), bytes, recording.elapsed())
+        };
+        q.write_buffer(&th.status, 0, &[0; 16]);
+        let mut next = record(&mut args, 0, false);
+        loop {
+            let (enc, (from, resume, to), bytes, recorded) = next;
+            let submitting = Instant::now();
+            args[(from / WINDOW) % 2].upload(q);
+            q.submit([enc.finish()]);
+            *host += recorded + submitting.elapsed();
+            // The next window is recorded while the GPU runs this one.
+            let ahead = (to < layers.len()).then(|| record(&mut args, to, false));
+            let waiting = Instant::now();
+            let ran = th
+                .readback
+                .read(&self.ctx, 16 + chosen_len + 4 * row as u64, |b| {
+                    let words: &[u32] = bytemuck::cast_slice(b);
+                    let chosen_end = 4 + chosen_len as usize / 4;
+                    Ran {
+                        halted: (words[0] as usize).checked_sub(1),
+                        chosen: words[4..chosen_end].to_vec(),
+                        guess: words[chosen_end..].to_vec(),
+                    }
+                })?;
+            st.gpu_wait_ns
+                .fetch_add(nanos(waiting.elapsed()), Ordering::Relaxed);
+            let ids_of = |l: usize| &ran.chosen[l * row..l * row + n * k];
+            // The MoE layers whose experts ran from VRAM without the host (a resumed layer
+            // was counted at its stop).
+            let through_to = ran.halted.unwrap_or(to);
+            for l in from..through_to {
+                if maps[l].is_some() && !(resume && l == from) {
+                    self.ran_through(st, l, ids_of(l))?;
+                }
+            }
+            let Some(l) = ran.halted else {
+                match ahead {
+                    Some(a) => {
+                        next = a;
+                        continue;
+                    }
+                    None => return self.read_result(end, bytes, out),
+                }
+            };
+            // Halted at layer l: what its router chose, the next MoE layer's guess, slots.
+            drop(ahead);
+            let filling = Instant::now();
+            let ids = ids_of(l).to_vec();
+            let used: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
+            if let Some(next_moe) = self.next_moe(l).filter(|_| !layers[l].lookahead.is_empty()) {
+                self.prefetch_guess(st, next_moe, &ran.guess[..n * k]);
+            }
+            self.experts.note_uses(l, &used);
+            let slots = self.fill_stop(st, l, &ids, None)?;
+            st.fill_ns
+                .fetch_add(nanos(filling.elapsed()), Ordering::Relaxed);
+            q.write_buffer(&self.acts.ids, 0, bytemuck::cast_slice(&slots));
+            q.write_buffer(&th.status, 0, &[0; 16]);
+            next = record(&mut args, l, true);
+        }
+    }
+}
