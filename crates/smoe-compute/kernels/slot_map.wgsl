@@ -6,6 +6,11 @@
 // dispatches after this one then run no workgroups) and status records 1 + this layer, so the
 // host can fill the slots and resume at this layer's experts. Either way the expert ids are
 // kept in `chosen` for the host. A slot map after a halt does nothing.
+//
+// A layer with a lookahead (the next MoE layer's router on this layer's input) also halts
+// when a guessed expert has no slot in that layer (`guess`, `next_off`): the host then starts
+// reading the guesses before the pass goes on, as at a stop — running through such a layer
+// would leave the next layer's misses unguessed.
 
 struct Params {
     layer: u32,
@@ -15,7 +20,13 @@ struct Params {
     ids_off: u32,
     table_off: u32,  // this layer's row of the table
     chosen_off: u32, // this layer's place in chosen
-    _pad: u32,
+    guess_count: u32, // lookahead ids (0: none)
+    guess_off: u32,
+    next_off: u32,    // the next MoE layer's row of the table
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
+    _pad3: u32,
 }
 
 const NONE: u32 = 0xffffffffu;
@@ -26,6 +37,7 @@ const NONE: u32 = 0xffffffffu;
 @group(0) @binding(3) var<storage, read_write> chosen: array<u32>;
 @group(0) @binding(4) var<storage, read_write> args: array<u32>;
 @group(0) @binding(5) var<storage, read_write> status: array<u32>;
+@group(0) @binding(6) var<storage, read> guess: array<u32>;
 
 var<workgroup> missed: atomic<u32>;
 var<workgroup> halted: u32;
@@ -45,6 +57,12 @@ fn main(@builtin(local_invocation_index) i: u32) {
         let e = ids[p.ids_off + j];
         chosen[p.chosen_off + j] = e;
         if (e >= p.experts || table[p.table_off + e] == NONE) {
+            atomicStore(&missed, 1u);
+        }
+    }
+    for (var j = i; j < p.guess_count; j += 64u) {
+        let e = guess[p.guess_off + j];
+        if (e < p.experts && table[p.next_off + e] == NONE) {
             atomicStore(&missed, 1u);
         }
     }

@@ -16,7 +16,10 @@ struct Params {
     ids_off: u32,
     table_off: u32,
     chosen_off: u32,
-    _pad: u32,
+    guess_count: u32,
+    guess_off: u32,
+    next_off: u32,
+    _pad: [u32; 4],
 }
 
 /// A slot table entry for an expert that no slot holds.
@@ -36,10 +39,13 @@ pub struct SlotMapBufs<'a> {
     /// `[0]`: 0 while the pass runs on, 1 + the layer that halted it. The host zeroes it
     /// before each submission.
     pub status: &'a wgpu::Buffer,
+    /// A lookahead's `count` guessed ids for MoE layer `.1`: a guess that no slot of that
+    /// layer holds halts the pass too (so the host can start reading it).
+    pub guess: Option<(BufRef<'a>, usize)>,
 }
 
 /// For MoE layer `layer` of `experts`: maps `count` chosen ids (tokens × top-k) to their slots
-/// (keeping the ids in row `layer` of `chosen`, `chosen_row` wide)
+/// (keeping the ids in row `layer` of `chosen`, `chosen_row` wide; as many guesses, if any)
 /// through the slot table, or halts the pass (every indirect dispatch recorded after it runs no
 /// workgroups) when one has no slot. It is itself launched directly: a halted pass's later slot
 /// maps run and see the halt.
@@ -71,6 +77,17 @@ impl SlotMap {
             )));
         }
         let (ib, ids_off) = b.ids.bind(ctx, "slot map ids", count, 4)?;
+        let (gb, guess_off, next) = match &b.guess {
+            Some((g, next)) => {
+                if rows(b.table, experts) <= *next {
+                    return Err(shape(format!("no table row for the guessed layer {next}")));
+                }
+                let (gb, off) = g.bind(ctx, "slot map guesses", count, 4)?;
+                (gb, off, Some(*next))
+            }
+            // (Bound but not read; the table, since ids is bound read-write.)
+            None => (Binding::whole(b.table), 0, None),
+        };
         let p = Params {
             layer: layer as u32,
             count: count as u32,
@@ -79,7 +96,10 @@ impl SlotMap {
             ids_off,
             table_off: (layer * experts) as u32,
             chosen_off: (layer * chosen_row) as u32,
-            _pad: 0,
+            guess_count: next.map_or(0, |_| count as u32),
+            guess_off,
+            next_off: (next.unwrap_or(0) * experts) as u32,
+            _pad: [0; 4],
         };
         let bufs = [
             ib,
@@ -87,6 +107,7 @@ impl SlotMap {
             Binding::whole(b.chosen),
             Binding::whole(b.args.buffer()),
             Binding::whole(b.status),
+            gb,
         ];
         let d = Dispatch::new(ctx, "slot_map", &[], &p, &bufs, [1, 1, 1])?;
         Ok(SlotMap { d })

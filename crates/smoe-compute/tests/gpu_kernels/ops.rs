@@ -299,15 +299,20 @@ fn slot_map_maps_or_halts_the_pass() {
     let mut misses = hits.clone();
     misses[7] = 35; // no slot in layer 2
     let logits = rand_vec(1000, 9, 1.0);
-    // (layer, ids, halted before)
-    for (layer, ids, pre_halted) in [
-        (1usize, &hits, 0u32),
-        (2, &hits, 0),
-        (2, &misses, 0),
-        (1, &hits, 2),
-    ] {
-        let what = format!("layer {layer}, ids {ids:?}, halted before: {pre_halted}");
+    // (layer, ids, halted before, lookahead guesses for layer 2)
+    let cases = [
+        (1usize, &hits, 0u32, None),
+        (2, &hits, 0, None),
+        (2, &misses, 0, None),
+        (1, &hits, 2, None),
+        (0, &hits, 0, Some(&hits)),
+        (0, &hits, 0, Some(&misses)),
+    ];
+    for (layer, ids, pre_halted, guess) in cases {
+        let what =
+            format!("layer {layer}, ids {ids:?}, halted before: {pre_halted}, guess {guess:?}");
         let idb = ctx.upload("ids", bytemuck::cast_slice(ids));
+        let gb = ctx.upload("guess", bytemuck::cast_slice(guess.unwrap_or(ids)));
         let tb = ctx.upload("table", bytemuck::cast_slice(&table));
         let cb = ctx.upload("chosen", &vec![0xEE; 4 * layers * row]);
         let sb = ctx.upload("status", bytemuck::cast_slice(&[pre_halted, 0, 0, 0]));
@@ -318,6 +323,7 @@ fn slot_map_maps_or_halts_the_pass() {
             chosen: &cb,
             args: &args,
             status: &sb,
+            guess: guess.map(|_| (BufRef::new(&gb), 2)),
         };
         let map = SlotMap::new(ctx, &b, layer, experts, count, row).unwrap();
         // An argmax before the slot map and one after it, both launched indirectly.
@@ -349,7 +355,10 @@ fn slot_map_maps_or_halts_the_pass() {
             "{what}: the dispatch before it ran"
         );
         let chosen = read(&cb, layers * row);
-        let mapped = ops::slot_map(ids, &table[layer * experts..(layer + 1) * experts]);
+        let row_of = |l: usize| &table[l * experts..(l + 1) * experts];
+        // A guess of layer 2 that no slot holds halts the pass like a miss.
+        let mapped = ops::slot_map(ids, row_of(layer))
+            .filter(|_| guess.is_none_or(|g| ops::slot_map(g, row_of(2)).is_some()));
         if pre_halted != 0 {
             assert_eq!(read(&sb, 1)[0], pre_halted, "{what}");
             assert_eq!(read(&idb, count), *ids, "{what}: ids left alone");
@@ -402,6 +411,7 @@ fn slot_map_maps_or_halts_the_pass() {
         chosen: &small,
         args: &args,
         status: &small,
+        guess: None,
     };
     assert!(
         SlotMap::new(ctx, &b, 0, 60, 4, 4).is_err(),
