@@ -12,10 +12,11 @@
 //! pass's argmax on the device and is queued before the host reads that id.
 //!
 //! With `--expert-cache` other than resident, experts stream (`Streaming`): each MoE layer has a
-//! few VRAM expert slots, and a pass is split after every MoE layer's router so the host can read
-//! the chosen ids (and the next MoE layer's predicted ones, whose reads it starts), fill missing
-//! slots from the streaming store, and hand the grouped matvecs slot indices — one submission
-//! and wait per MoE layer.
+//! few VRAM expert slots, and a prompt pass is split after every MoE layer's router so the host
+//! can read the chosen ids (and the next MoE layer's predicted ones, whose reads it starts), fill
+//! missing slots from the streaming store, and hand the grouped products slot indices — one
+//! submission and wait per MoE layer. Decode batches run through the layers whose experts sit in
+//! VRAM and halt only where one must be read (`through`).
 
 use super::{mat, Logits};
 use crate::error::EngineError;
