@@ -8,6 +8,7 @@
 
 use smoe_compute::gpu::wgpu;
 use smoe_engine::engine::{Backend, EngineOptions};
+use smoe_engine::model::gpu_decoder::SlotStats;
 use smoe_engine::store::{CacheBudget, StoreOptions, DEFAULT_READ_PIECE};
 use smoe_engine::{Engine, Model};
 use smoe_vault::DType;
@@ -171,6 +172,13 @@ fn gpu_tokens_do_not_depend_on_the_expert_cache() {
                 }
                 _ => {}
             }
+            // (`bench decode` resets the counters after its warm-up.)
+            let kept = g.slot_stats().unwrap();
+            g.reset_slot_stats();
+            let z = g.slot_stats().unwrap();
+            let counts = |s: &SlotStats| (s.hits, s.misses, s.stops, s.hit_stops, s.run_through);
+            assert_eq!(counts(&z), (0, 0, 0, 0, 0), "{name} {budget:?}: reset");
+            assert!(counts(&kept) != (0, 0, 0, 0, 0));
         }
     }
 }

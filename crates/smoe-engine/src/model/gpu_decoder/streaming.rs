@@ -456,6 +456,7 @@ impl GpuDecoder {
                 &s.misses,
                 &s.stops,
                 &s.hit_stops,
+                &s.through_layers,
                 &s.gpu_wait_ns,
                 &s.fill_ns,
                 &s.upload_ns,
