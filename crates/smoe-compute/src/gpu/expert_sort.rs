@@ -14,26 +14,26 @@ struct Params {
     max_units: u32,
 }
 
-/// Most experts a sort handles (the expert id takes 12 bits of a sort key, and the bucket of
-/// skipped slots, `n_mats`, must fit them too).
+/// Most experts a sort handles (an expert id takes 12 bits of a work unit, and the bucket of
+/// skipped slots, `n_mats`, must fit them too); workgroup memory limits them further (a counter
+/// per expert: about 3,500 at 16 KiB).
 pub const SORT_MAX_EXPERTS: usize = 4095;
-/// Most slots a sort handles (20 bits of a sort key); workgroup memory limits them further to
-/// the largest power of two ≤ `max_compute_workgroup_storage_size / 4` (4096 at 16 KiB, 8192 at
-/// 32 and 48 KiB).
+/// Most slots a sort handles (20 bits of a work unit's tile index).
 pub const SORT_MAX_SLOTS: usize = 1 << 20;
 
 /// From `ids` (`[n_slots]` u32: slot `t·k + j` holds the expert of token `t`'s j-th choice, each
 /// `< n_mats`) writes, in buffers it owns:
 /// - `starts`: `[n_mats + 1]` u32, where expert `e`'s slots begin in `perm` (`starts[n_mats]` is
 ///   `n_slots`);
-/// - `perm`: `[n_slots]` u32, the slot indices grouped by expert, ascending within an expert;
+/// - `perm`: `[n_slots]` u32, the slot indices grouped by expert (within an expert in no fixed
+///   order: the grouped GEMMs compute each slot's row alone, the same wherever it sits);
 /// - `units`: the grouped `MatMul`'s work list for token tiles of `tile` slots: word 0 the
 ///   count of units, word `1 + u` unit `u` = `(e << 20) | i`, the `i`-th tile of expert `e`
 ///   (`perm[starts[e] + i·tile ..]`, at most `tile` slots), ordered by `(e, i)`: every expert
 ///   with `c > 0` slots has `ceil(c / tile)` units. The GEMM runs one workgroup per unit, so a
 ///   popular expert's tiles run side by side instead of one after another.
 ///
-/// Deterministic (a sort of distinct keys). A slot whose id is `≥ n_mats` is skipped: it sorts
+/// What the GEMMs compute from it is deterministic. A slot whose id is `≥ n_mats` is skipped: it sorts
 /// after all others (`perm[starts[n_mats]..]`; `starts[n_mats]` is then the count of the other
 /// slots) and gets no work unit, so a grouped `MatMul` leaves its output rows as they were.
 /// The streaming GPU decoder uses that to run a batch's experts in rounds when they do not all
@@ -70,21 +70,19 @@ impl ExpertSort {
                 "expert sort: tile of {tile} slots (1..={SORT_MAX_SLOTS})"
             )));
         }
-        let keys = n_slots.next_power_of_two().max(2);
-        let room = limits.max_compute_workgroup_storage_size as usize / 4;
-        if keys > room {
-            return Err(GpuError::Shape(format!(
-                "expert sort: {n_slots} slots need {} bytes of workgroup memory, the device has {}",
-                4 * keys,
-                limits.max_compute_workgroup_storage_size
-            )));
-        }
-        // KEYS / 2 compare pairs per stage: up to one per invocation, so that each stage between
-        // two barriers is as short as the device allows.
-        let wg = (keys / 2).clamp(32, 1024).min(
+        // A counter per bucket and two scan words per invocation in workgroup memory.
+        let wg = 256.min(
             (limits.max_compute_invocations_per_workgroup as usize)
                 .min(limits.max_compute_workgroup_size_x as usize),
         );
+        let words = n_mats + 1 + 2 * wg;
+        if 4 * words > limits.max_compute_workgroup_storage_size as usize {
+            return Err(GpuError::Shape(format!(
+                "expert sort: {n_mats} experts need {} bytes of workgroup memory, the device has {}",
+                4 * words,
+                limits.max_compute_workgroup_storage_size
+            )));
+        }
         let (ib, ids_off) = ids.bind(ctx, "expert sort ids", n_slots, 4)?;
         let starts = ctx.storage_buffer("expert sort starts", 4 * (n_mats as u64 + 1));
         let perm = ctx.storage_buffer("expert sort perm", 4 * n_slots as u64);
@@ -100,7 +98,7 @@ impl ExpertSort {
             ctx,
             "expert_sort",
             &[
-                ("KEYS", keys as f64),
+                ("NB", (n_mats + 1) as f64),
                 ("WG", wg as f64),
                 ("TILE", tile as f64),
             ],
@@ -135,7 +133,7 @@ impl ExpertSort {
         &self.starts
     }
 
-    /// `[n_slots]` u32: slot indices grouped by expert, ascending within one.
+    /// `[n_slots]` u32: slot indices grouped by expert (in no fixed order within one).
     pub fn perm(&self) -> &wgpu::Buffer {
         &self.perm
     }

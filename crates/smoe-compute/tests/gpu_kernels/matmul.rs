@@ -74,8 +74,9 @@ fn rand_ids(n: usize, n_mats: usize, seed: u64) -> Vec<u32> {
         .collect()
 }
 
-/// The CPU twin of the sort: (starts, perm) of a stable counting sort; ids ≥ n_mats (skipped
-/// slots) sort last and are not counted in `starts`.
+/// The CPU twin of the sort: (starts, perm) of a stable counting sort (the GPU's order within
+/// an expert is free: compared as sets); ids ≥ n_mats (skipped slots) sort last and are not
+/// counted in `starts`.
 fn sort_twin(ids: &[u32], n_mats: usize) -> (Vec<u32>, Vec<u32>) {
     let mut starts = vec![0u32; n_mats + 1];
     for &e in ids.iter().filter(|&&e| (e as usize) < n_mats) {
@@ -120,7 +121,7 @@ fn sort_on_gpu(
 }
 
 #[test]
-fn expert_sort_matches_stable_counting_sort() {
+fn expert_sort_matches_counting_sort() {
     let Some(ctx) = gpu() else { return };
     let mut cases: Vec<(Vec<u32>, usize)> = vec![
         (vec![0], 1),
@@ -131,6 +132,7 @@ fn expert_sort_matches_stable_counting_sort() {
         (rand_ids(100, 1024, 2), 1024), // most experts empty
         (rand_ids(1000, 3, 3), 3),
         (rand_ids(777, 60, 4), 64), // the last 4 experts empty
+        (rand_ids(20_000, 128, 12), 128), // more slots than a 512-token chunk
     ];
     // A skewed router: a few hot experts, the rest rare.
     cases.push((rand_ids(512, 8, 5).iter().map(|e| e * e).collect(), 50));
@@ -153,7 +155,15 @@ fn expert_sort_matches_stable_counting_sort() {
             let starts = ctx.read_u32(sort.starts(), 0, n_mats + 1).unwrap();
             let perm = ctx.read_u32(sort.perm(), 0, ids.len()).unwrap();
             assert_eq!(starts, want_starts, "case {i}: starts");
-            assert_eq!(perm, want_perm, "case {i}: perm");
+            // Within an expert the order is free (the GEMMs compute each slot alone).
+            let mut grouped = perm.clone();
+            for w in want_starts
+                .windows(2)
+                .chain([&[want_starts[*n_mats], ids.len() as u32][..]])
+            {
+                grouped[w[0] as usize..w[1] as usize].sort_unstable();
+            }
+            assert_eq!(grouped, want_perm, "case {i}: perm");
             let want = units_twin(&want_starts, tile);
             let what = format!("case {i} tile {tile}");
             assert!(want.len() <= sort.max_units(), "{what}: bound");
@@ -195,13 +205,18 @@ fn expert_sort_rejects_what_it_cannot_hold() {
     assert!(e.to_string().contains("tile"), "{e}");
     // More ids than the buffer holds.
     assert!(ExpertSort::new(ctx, BufRef::new(&buf), 5, 4, 16).is_err());
-    // More slots than workgroup memory holds keys.
+    // More experts than workgroup memory holds counters (where the device's is small enough
+    // for a 12-bit expert id to reach it).
     let room = ctx.limits().max_compute_workgroup_storage_size as usize / 4;
-    let big = ctx.storage_buffer("ids", 4 * (room as u64 + 1));
-    let e = ExpertSort::new(ctx, BufRef::new(&big), room + 1, 4, 16)
-        .err()
-        .unwrap();
-    assert!(e.to_string().contains("workgroup memory"), "{e}");
+    if room < 4096 {
+        let e = ExpertSort::new(ctx, BufRef::new(&buf), 4, room, 16)
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("workgroup memory"), "{e}");
+    }
+    // Many slots need no more of it.
+    let big = ctx.storage_buffer("ids", 4 * 20_000);
+    assert!(ExpertSort::new(ctx, BufRef::new(&big), 20_000, 128, 48).is_ok());
 }
 
 struct Dense {
