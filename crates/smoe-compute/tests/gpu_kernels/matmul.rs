@@ -131,7 +131,7 @@ fn expert_sort_matches_counting_sort() {
         (rand_ids(4096, 128, 1), 128),
         (rand_ids(100, 1024, 2), 1024), // most experts empty
         (rand_ids(1000, 3, 3), 3),
-        (rand_ids(777, 60, 4), 64), // the last 4 experts empty
+        (rand_ids(777, 60, 4), 64),       // the last 4 experts empty
         (rand_ids(20_000, 128, 12), 128), // more slots than a 512-token chunk
     ];
     // A skewed router: a few hot experts, the rest rare.

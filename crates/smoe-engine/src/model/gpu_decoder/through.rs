@@ -267,10 +267,9 @@ impl GpuDecoder {
             // The MoE layers whose experts ran from VRAM without the host (a resumed layer
             // was counted at its stop).
             let through_to = ran.halted.unwrap_or(to);
-            for l in from..through_to {
-                if maps[l].is_some() && !(resume && l == from) {
-                    self.ran_through(st, l, ids_of(l))?;
-                }
+            let mapped = (from..through_to).filter(|&l| maps[l].is_some());
+            for l in mapped.filter(|&l| !(resume && l == from)) {
+                self.ran_through(st, l, ids_of(l))?;
             }
             let Some(l) = ran.halted else {
                 match ahead {
