@@ -63,8 +63,9 @@ pub struct SlotStats {
     /// Router stops (one submission and wait per MoE layer and batch).
     pub stops: u64,
     /// Stops at which every expert the router chose already sat in a VRAM slot: nothing was
-    /// read or copied, and the round trip bought nothing but the slot indices. Decode batches
-    /// make almost none (they run through such layers), prompt batches one per such layer.
+    /// read or copied, and the round trip bought nothing but the slot indices. Prompt batches
+    /// make one per such layer; decode batches run through them, and stop at one only where
+    /// the lookahead guessed an expert the next layer has no slot for (to start that read).
     pub hit_stops: u64,
     /// MoE layers of decode batches whose experts all sat in VRAM and that ran without a stop:
     /// the GPU mapped the router's choice to slots itself (`gpu_decoder::through`).

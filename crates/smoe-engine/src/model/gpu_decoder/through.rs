@@ -11,6 +11,8 @@
 //!
 //! The next window is recorded while the GPU runs the current one and submitted once the
 //! current one is known to have run through (two sets of launch counts, by window parity).
+//! While the decoder is profiling (`--breakdown`) decode takes the stop at every MoE layer
+//! instead: its timestamps mark every step of one submission.
 
 use super::streaming::Streaming;
 use super::{nanos, record_head, End, GpuDecoder};
