@@ -377,6 +377,18 @@ impl B<'_> {
 }
 
 impl LayerOps {
+    /// MoE layers: `post` split where the expert dispatches begin — (the router and what comes
+    /// before it, the experts and what follows) — so that a streaming pass can stop between.
+    pub fn routed(&self) -> Option<(&[Op], &[Op])> {
+        self.experts_at.map(|at| self.post.split_at(at))
+    }
+
+    /// Where a streaming pass resumes after its stop at this layer's router: the experts and
+    /// what follows (all of `post` for a layer without experts).
+    pub fn experts(&self) -> &[Op] {
+        self.routed().map_or(&self.post[..], |(_, experts)| experts)
+    }
+
     /// `next_router`: streaming, the router of the next MoE layer (for `lookahead`).
     #[allow(clippy::too_many_arguments)]
     pub fn new(

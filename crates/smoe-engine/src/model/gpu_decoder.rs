@@ -451,8 +451,7 @@ impl GpuDecoder {
             let q = &self.ctx.queue;
             let (layers, head) = &self.batches[n.trailing_zeros() as usize];
             // Streaming decode: through the layers whose experts sit in VRAM (`through`).
-            let through = (self.streaming.as_ref())
-                .filter(|_| prof.is_none())
+            let through = (self.streaming.as_ref().filter(|_| prof.is_none()))
                 .and_then(|st| Some((st, st.through.as_ref()?)))
                 .and_then(|(st, th)| Some((st, th, th.maps(n)?)));
             if let Some((st, th, maps)) = through {
@@ -625,14 +624,13 @@ impl GpuDecoder {
         for (l, ops) in layers.iter().enumerate().skip(from) {
             if resume {
                 resume = false;
-                let at = ops.experts_at.unwrap_or(ops.post.len());
-                ops.post[at..].iter().for_each(|op| op.record(r));
+                ops.experts().iter().for_each(|op| op.record(r));
             } else {
                 ops.pre.iter().for_each(|op| op.record(r));
                 gkv.record(n.trailing_zeros() as usize, l, r);
-                match ops.experts_at.filter(|_| self.streaming.is_some()) {
-                    Some(at) => {
-                        ops.post[..at].iter().for_each(|op| op.record(r));
+                match ops.routed().filter(|_| self.streaming.is_some()) {
+                    Some((router, _)) => {
+                        router.iter().for_each(|op| op.record(r));
                         ops.lookahead.iter().for_each(|op| op.record(r));
                         return Stop::Route(l);
                     }

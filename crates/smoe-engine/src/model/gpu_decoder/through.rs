@@ -140,10 +140,10 @@ impl Through {
         })
     }
 
-    /// The slot maps of a batch of n tokens, where such a batch runs through.
+    /// The slot maps of a batch of n tokens (a power of two), where such a batch runs through.
     pub(super) fn maps(&self, n: usize) -> Option<&[Option<Op>]> {
         let maps = self.maps.get(n.trailing_zeros() as usize)?;
-        (n.is_power_of_two() && self.on.load(Ordering::Relaxed)).then_some(&maps[..])
+        self.on.load(Ordering::Relaxed).then_some(&maps[..])
     }
 
     /// Copies layer `l`'s row of the host's slot table to the GPU (ordered before the next
@@ -201,18 +201,17 @@ impl GpuDecoder {
                 let mut r = Recorder::through(pass, &mut args[(from / WINDOW) % 2]);
                 for (l, ops) in layers.iter().enumerate().take(to).skip(from) {
                     if resume && l == from {
-                        let at = ops.experts_at.unwrap_or(ops.post.len());
-                        ops.post[at..].iter().for_each(|op| op.record(&mut r));
+                        ops.experts().iter().for_each(|op| op.record(&mut r));
                         continue;
                     }
                     ops.pre.iter().for_each(|op| op.record(&mut r));
                     gkv.record(n.trailing_zeros() as usize, l, &mut r);
-                    match (ops.experts_at, &maps[l]) {
-                        (Some(at), Some(map)) => {
-                            ops.post[..at].iter().for_each(|op| op.record(&mut r));
+                    match (ops.routed(), &maps[l]) {
+                        (Some((router, experts)), Some(map)) => {
+                            router.iter().for_each(|op| op.record(&mut r));
                             ops.lookahead.iter().for_each(|op| op.record(&mut r));
                             map.record(&mut r);
-                            ops.post[at..].iter().for_each(|op| op.record(&mut r));
+                            experts.iter().for_each(|op| op.record(&mut r));
                         }
                         _ => ops.post.iter().for_each(|op| op.record(&mut r)),
                     }
