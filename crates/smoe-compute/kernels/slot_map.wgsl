@@ -11,6 +11,11 @@
 // when a guessed expert has no slot in that layer (`guess`, `next_off`): the host then starts
 // reading the guesses before the pass goes on, as at a stop — running through such a layer
 // would leave the next layer's misses unguessed.
+//
+// SPEC: a speculative pass (the host runs one while it reads a halted layer's misses, to learn
+// which experts the next layers will choose): it never halts and ignores status; an expert no
+// slot holds is left out — slot 0 (whatever it holds, the product is finite) with router weight
+// 0 in rw — so the pass runs on with that layer's output short of the missing experts' share.
 
 struct Params {
     layer: u32,
@@ -23,13 +28,15 @@ struct Params {
     guess_count: u32, // lookahead ids (0: none)
     guess_off: u32,
     next_off: u32,    // the next MoE layer's row of the table
-    _pad0: u32,
+    rw_off: u32,      // SPEC: index of the first chosen id's router weight in rw
     _pad1: u32,
     _pad2: u32,
     _pad3: u32,
 }
 
 const NONE: u32 = 0xffffffffu;
+
+override SPEC: bool = false;
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read_write> ids: array<u32>;
@@ -38,12 +45,30 @@ const NONE: u32 = 0xffffffffu;
 @group(0) @binding(4) var<storage, read_write> args: array<u32>;
 @group(0) @binding(5) var<storage, read_write> status: array<u32>;
 @group(0) @binding(6) var<storage, read> guess: array<u32>;
+@group(0) @binding(7) var<storage, read_write> rw: array<f32>;
 
 var<workgroup> missed: atomic<u32>;
 var<workgroup> halted: u32;
 
 @compute @workgroup_size(64)
 fn main(@builtin(local_invocation_index) i: u32) {
+    if (SPEC) {
+        for (var j = i; j < p.count; j += 64u) {
+            let e = ids[p.ids_off + j];
+            chosen[p.chosen_off + j] = e;
+            var s = NONE;
+            if (e < p.experts) {
+                s = table[p.table_off + e];
+            }
+            if (s == NONE) {
+                ids[p.ids_off + j] = 0u;
+                rw[p.rw_off + j] = 0.0;
+            } else {
+                ids[p.ids_off + j] = s;
+            }
+        }
+        return;
+    }
     if (i == 0u) {
         atomicStore(&missed, 0u);
         halted = status[0];

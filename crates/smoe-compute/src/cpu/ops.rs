@@ -137,7 +137,13 @@ pub fn attention(
 /// slot, `u32::MAX` where none does): `None` when any chosen expert has no slot (the GPU's slot
 /// map then halts its pass for the host to fill the slots).
 pub fn slot_map(ids: &[u32], table: &[u32]) -> Option<Vec<u32>> {
-    ids.iter()
+    slot_map_spec(ids, table).into_iter().collect()
+}
+
+/// The speculative slot map (`SlotMapBufs::spec`): each chosen expert's slot, or `None` where
+/// no slot holds it (the GPU's map then sends that slot to slot 0 with router weight 0).
+pub fn slot_map_spec(ids: &[u32], table: &[u32]) -> Vec<Option<u32>> {
+    (ids.iter())
         .map(|&e| table.get(e as usize).copied().filter(|&s| s != u32::MAX))
         .collect()
 }

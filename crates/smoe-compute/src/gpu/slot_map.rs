@@ -19,7 +19,8 @@ struct Params {
     guess_count: u32,
     guess_off: u32,
     next_off: u32,
-    _pad: [u32; 4],
+    rw_off: u32,
+    _pad: [u32; 3],
 }
 
 /// A slot table entry for an expert that no slot holds.
@@ -42,6 +43,9 @@ pub struct SlotMapBufs<'a> {
     /// A lookahead's `count` guessed ids for MoE layer `.1`: a guess that no slot of that
     /// layer holds halts the pass too (so the host can start reading it).
     pub guess: Option<(BufRef<'a>, usize)>,
+    /// A speculative map (`SlotMap` doc): the router weights of the `count` chosen ids, zeroed
+    /// where an expert has no slot.
+    pub spec: Option<BufRef<'a>>,
 }
 
 /// For MoE layer `layer` of `experts`: maps `count` chosen ids (tokens × top-k) to their slots
@@ -49,6 +53,10 @@ pub struct SlotMapBufs<'a> {
 /// through the slot table, or halts the pass (every indirect dispatch recorded after it runs no
 /// workgroups) when one has no slot. It is itself launched directly: a halted pass's later slot
 /// maps run and see the halt.
+///
+/// Speculative (`SlotMapBufs::spec`): never halts and ignores the status; an expert without a
+/// slot is left out of the layer (slot 0, router weight 0), so that a pass the host runs while
+/// it reads the misses can go on and show which experts later layers would choose.
 pub struct SlotMap {
     d: Dispatch,
 }
@@ -88,6 +96,11 @@ impl SlotMap {
             // (Bound but not read; the table, since ids is bound read-write.)
             None => (Binding::whole(b.table), 0, None),
         };
+        let (sb, rw_off) = match &b.spec {
+            Some(rw) => rw.bind(ctx, "slot map router weights", count, 4)?,
+            // (Bound but not written: the kernel refers to it in its speculative branch.)
+            None => (Binding::whole(b.status), 0),
+        };
         let p = Params {
             layer: layer as u32,
             count: count as u32,
@@ -99,7 +112,8 @@ impl SlotMap {
             guess_count: next.map_or(0, |_| count as u32),
             guess_off,
             next_off: (next.unwrap_or(0) * experts) as u32,
-            _pad: [0; 4],
+            rw_off,
+            _pad: [0; 3],
         };
         let bufs = [
             ib,
@@ -108,8 +122,11 @@ impl SlotMap {
             Binding::whole(b.args.buffer()),
             Binding::whole(b.status),
             gb,
+            sb,
         ];
-        let d = Dispatch::new(ctx, "slot_map", &[], &p, &bufs, [1, 1, 1])?;
+        let spec = [("SPEC", 1.0)];
+        let constants: &[_] = if b.spec.is_some() { &spec } else { &[] };
+        let d = Dispatch::new(ctx, "slot_map", constants, &p, &bufs, [1, 1, 1])?;
         Ok(SlotMap { d })
     }
 

@@ -275,7 +275,8 @@ fn embed_gather_matches_dequantize_row() {
 /// ids become slots and the indirect dispatches after it run; where one has none, the pass
 /// halts (status = 1 + layer; the indirect dispatches after it run no workgroups, those before
 /// it did); after a halt, a later slot map does nothing. Expert ids are kept for the host in
-/// either case. Odd sizes: 60 experts, 2 tokens × top-6 in rows of 24.
+/// either case. Odd sizes: 60 experts, 2 tokens × top-6 in rows of 24. A speculative map never
+/// halts, even after a halt: an expert without a slot goes to slot 0 with router weight 0.
 #[test]
 fn slot_map_maps_or_halts_the_pass() {
     use smoe_compute::gpu::{wgpu, IndirectArgs, Launch, SlotMap, SlotMapBufs, NO_SLOT};
@@ -324,6 +325,7 @@ fn slot_map_maps_or_halts_the_pass() {
             args: &args,
             status: &sb,
             guess: guess.map(|_| (BufRef::new(&gb), 2)),
+            spec: None,
         };
         let map = SlotMap::new(ctx, &b, layer, experts, count, row).unwrap();
         // An argmax before the slot map and one after it, both launched indirectly.
@@ -402,6 +404,42 @@ fn slot_map_maps_or_halts_the_pass() {
             }
         }
     }
+    // Speculative, on a pass an earlier layer halted: misses left out, nothing halted.
+    let mut ids = misses.clone();
+    ids[3] = 99; // not an expert: left out too
+    let weights = rand_vec(count, 3, 1.0);
+    let idb = ctx.upload("ids", bytemuck::cast_slice(&ids));
+    let wb = ctx.upload_f32("weights", &weights);
+    let tb = ctx.upload("table", bytemuck::cast_slice(&table));
+    let cb = ctx.upload("chosen", &vec![0xEE; 4 * layers * row]);
+    let sb = ctx.upload("status", bytemuck::cast_slice(&[2u32, 0, 0, 0]));
+    let args = IndirectArgs::new(ctx, 8);
+    let b = SlotMapBufs {
+        ids: BufRef::new(&idb),
+        table: &tb,
+        chosen: &cb,
+        args: &args,
+        status: &sb,
+        guess: None,
+        spec: Some(BufRef::new(&wb)),
+    };
+    let map = SlotMap::new(ctx, &b, 2, experts, count, row).unwrap();
+    let mut enc = ctx.encoder();
+    map.encode(&mut enc);
+    ctx.submit_wait(enc);
+    let want = ops::slot_map_spec(&ids, &table[2 * experts..3 * experts]);
+    assert!(want.iter().filter(|s| s.is_none()).count() >= 2);
+    let got_w = ctx.read_f32(&wb, 0, count).unwrap();
+    for (j, (&slot, w)) in ctx.read_u32(&idb, 0, count).unwrap().iter().zip(got_w).enumerate() {
+        let (ws, ww) = match want[j] {
+            Some(s) => (s, weights[j]),
+            None => (0, 0.0),
+        };
+        assert_eq!((slot, w), (ws, ww), "speculative, slot {j}");
+    }
+    let chosen = ctx.read_u32(&cb, 0, layers * row).unwrap();
+    assert_eq!(&chosen[2 * row..2 * row + count], &ids[..], "speculative: chosen ids");
+    assert_eq!(ctx.read_u32(&sb, 0, 1).unwrap()[0], 2, "speculative: status left alone");
     // Shapes it cannot serve are refused.
     let small = ctx.upload("small", &[0; 16]);
     let args = IndirectArgs::new(ctx, 1);
@@ -412,6 +450,7 @@ fn slot_map_maps_or_halts_the_pass() {
         args: &args,
         status: &small,
         guess: None,
+        spec: None,
     };
     assert!(
         SlotMap::new(ctx, &b, 0, 60, 4, 4).is_err(),

@@ -278,7 +278,18 @@ impl GpuDecoder {
         }
         let acts = Acts::new(ctx, &cfg);
         if let Some(st) = &mut streaming {
-            st.through = Some(Through::new(ctx, &cfg, &acts, st.max_piece)?);
+            // Speculative passes read guesses into host buffers: on unified memory, where misses
+            // land in their slots, that would add a copy, so there they are off by default.
+            let depth = match std::env::var("SMOE_GPU_SPECULATE") {
+                Ok(v) => v.parse().map_err(|_| {
+                    EngineError::Invalid(format!(
+                        "SMOE_GPU_SPECULATE={v}: expected a number of MoE layers (0: off)"
+                    ))
+                })?,
+                Err(_) if st.lands => 0,
+                Err(_) => through::SPEC_DEPTH,
+            };
+            st.through = Some(Through::new(ctx, &cfg, &acts, st.max_piece, depth)?);
         }
         let chain = match weights.embedding(cfg.tie_word_embeddings) {
             Some(e) => {
@@ -706,7 +717,6 @@ impl GpuDecoder {
         Ok(Some(fed))
     }
 
-    /// Whether `decode_greedy` runs chains (resident, embedding on the GPU).
     /// Streaming: whether decode batches run through the MoE layers whose experts sit in VRAM
     /// (`through`, the default; `SMOE_GPU_SLOT_TABLE=0` starts with it off) or stop at every
     /// router as prompt batches do. For tests and measurements.
@@ -716,6 +726,17 @@ impl GpuDecoder {
         }
     }
 
+    /// Streaming: how many MoE layers after a halted decode layer a speculative pass looks
+    /// ahead while that layer's misses are read (`through`; 0 turns it off; the default is 2 on
+    /// a discrete GPU, 0 on unified memory; `SMOE_GPU_SPECULATE` sets it at load). For tests
+    /// and measurements.
+    pub fn set_speculate(&self, depth: usize) {
+        if let Some(th) = self.streaming.as_ref().and_then(|s| s.through.as_ref()) {
+            th.depth.store(depth, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether `decode_greedy` runs chains (resident, embedding on the GPU).
     pub fn chains_greedy(&self) -> bool {
         self.chain().is_some()
     }

@@ -285,6 +285,15 @@ impl Experts {
         }
     }
 
+    /// Of `experts` of `layer`, those whose bytes are not in memory yet (neither cached nor read
+    /// ahead completely): what a `for_each_blob` would wait for. Empty when not streaming.
+    pub fn pending(&self, layer: usize, experts: &[usize]) -> Vec<usize> {
+        match &self.source {
+            Source::Streamed(s) => s.pending(layer, experts),
+            Source::Mapped => vec![],
+        }
+    }
+
     /// As `prefetch`, started only once the next `for_each`/`for_each_blob` has queued the
     /// reads it certainly needs (streaming only; a no-op otherwise).
     pub fn prefetch_after(&self, layer: usize, experts: &[usize]) {

@@ -340,6 +340,11 @@ impl BlobRead {
         Finished::Nothing
     }
 
+    /// Whether the blob is read (or failed), so that `wait` would not block.
+    pub fn is_done(&self) -> bool {
+        self.state().result.is_some()
+    }
+
     /// Waits until the blob is read (or failed).
     pub fn wait(&self) -> ReadResult {
         let mut s = self.state();

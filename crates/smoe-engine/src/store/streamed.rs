@@ -175,6 +175,19 @@ impl StreamedStore {
         }
     }
 
+    /// Of `experts` of `layer`, those a `for_each_blob` would still wait for: neither cached nor
+    /// read ahead completely.
+    pub fn pending(&self, layer: usize, experts: &[usize]) -> Vec<usize> {
+        let cache = self.cache.lock().unwrap();
+        let pre = self.prefetched.lock().unwrap();
+        (experts.iter().copied())
+            .filter(|&e| {
+                let key = layer * self.n_experts + e;
+                !cache.contains(key) && !pre.get(&key).is_some_and(|r| r.is_done())
+            })
+            .collect()
+    }
+
     /// As `prefetch`, but started by the next `for_each_blob` right after it queues its own
     /// misses, so that no reader starts a guess just before a read that is certainly needed.
     pub fn prefetch_after(&self, layer: usize, experts: Vec<(usize, usize)>) {

@@ -49,6 +49,9 @@ pub(super) struct Streaming {
     hit_stops: AtomicU64,
     /// MoE layers that ran without a stop (`SlotStats::run_through`).
     through_layers: AtomicU64,
+    /// Speculative passes, and the reads their guesses started (`SlotStats`).
+    pub(super) spec_runs: AtomicU64,
+    pub(super) spec_guesses: AtomicU64,
     /// Decode batches run through the layers whose experts sit in VRAM (`through`); `None`
     /// where its buffers could not be made.
     pub(super) through: Option<Through>,
@@ -70,6 +73,10 @@ pub struct SlotStats {
     /// MoE layers of decode batches whose experts all sat in VRAM and that ran without a stop:
     /// the GPU mapped the router's choice to slots itself (`gpu_decoder::through`).
     pub run_through: u64,
+    /// Speculative passes run while a halted decode layer's misses were read
+    /// (`gpu_decoder::through`), and the expert reads their guesses started.
+    pub speculated: u64,
+    pub spec_guesses: u64,
     /// Waiting for the GPU to reach a router stop (its compute, and the submission's latency).
     pub gpu_wait_s: f64,
     /// Filling slots: reads waited for, plus the uploads below.
@@ -145,8 +152,21 @@ impl Streaming {
             stops: AtomicU64::new(0),
             hit_stops: AtomicU64::new(0),
             through_layers: AtomicU64::new(0),
+            spec_runs: AtomicU64::new(0),
+            spec_guesses: AtomicU64::new(0),
             through: None,
         }
+    }
+}
+
+impl Streaming {
+    /// The distinct experts of `ids` that no VRAM slot of MoE layer `l` holds (ids that are no
+    /// expert of it left out).
+    pub(super) fn missing(&self, l: usize, ids: &[u32]) -> Vec<usize> {
+        let t = self.table.lock().unwrap_or_else(|e| e.into_inner());
+        (distinct(ids).into_iter().map(|e| e as usize))
+            .filter(|&e| t.slot_of[l].get(e).is_some_and(|s| s.is_none()))
+            .collect()
     }
 }
 
@@ -179,16 +199,7 @@ impl GpuDecoder {
     /// host cache. They are issued after the current layer's own misses (`Experts::prefetch_after`),
     /// so a guess never delays a certain read.
     pub(super) fn prefetch_guess(&self, st: &Streaming, next: usize, guess: &[u32]) {
-        let t = st.table.lock().unwrap_or_else(|e| e.into_inner());
-        let mut want: Vec<usize> = guess
-            .iter()
-            .map(|&e| e as usize)
-            .filter(|&e| e < self.cfg.num_experts && t.slot_of[next][e].is_none())
-            .collect();
-        want.sort_unstable();
-        want.dedup();
-        drop(t);
-        self.experts.prefetch_after(next, &want);
+        self.experts.prefetch_after(next, &st.missing(next, guess));
     }
 
     /// Streaming, a batch on the GEMM path whose distinct experts outnumber the slots of MoE
@@ -441,6 +452,8 @@ impl GpuDecoder {
             stops: s.stops.load(Ordering::Relaxed),
             hit_stops: s.hit_stops.load(Ordering::Relaxed),
             run_through: s.through_layers.load(Ordering::Relaxed),
+            speculated: s.spec_runs.load(Ordering::Relaxed),
+            spec_guesses: s.spec_guesses.load(Ordering::Relaxed),
             gpu_wait_s: secs(&s.gpu_wait_ns),
             fill_s: secs(&s.fill_ns),
             upload_s: secs(&s.upload_ns),
@@ -458,6 +471,8 @@ impl GpuDecoder {
                 &s.stops,
                 &s.hit_stops,
                 &s.through_layers,
+                &s.spec_runs,
+                &s.spec_guesses,
                 &s.gpu_wait_ns,
                 &s.fill_ns,
                 &s.upload_ns,

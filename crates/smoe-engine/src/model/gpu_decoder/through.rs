@@ -9,6 +9,17 @@
 //! budget: the next layer's misses went unguessed). A token whose experts and guesses all sit
 //! in VRAM costs one round trip per window instead of one per MoE layer.
 //!
+//! While the host reads a halted layer's misses the GPU would idle, so it runs a speculative
+//! pass instead (`speculate`): the layer's experts with the missing ones left out (slot map
+//! `SlotMapBufs::spec`: router weight 0), then the next layers up to the router of the
+//! `depth`-th MoE layer after it, on a saved copy of the state the resume needs (restored at its
+//! end). Their routers see the residual short only of the missing experts' share — a far better
+//! guess of the experts they will choose than the lookahead's, which lacks this layer's whole
+//! MoE output and the next attention — and the host starts reading those guesses at once, so
+//! the disk keeps reading what the next layers need while the GPU and the host work through
+//! the current one. It runs only when some miss must still come from the disk (else the resume
+//! would wait behind it), and changes nothing but which reads start early.
+//!
 //! The next window is recorded while the GPU runs the current one and submitted once the
 //! current one is known to have run through (two sets of launch counts, by window parity).
 //! While the decoder is profiling (`--breakdown`) decode takes the stop at every MoE layer
@@ -20,7 +31,7 @@ use crate::error::EngineError;
 use crate::gpu::{Acts, GpuKv, Head, LayerOps, Op, Readback, Recorder, GEMM_MIN};
 use smoe_compute::gpu::{wgpu, BufRef, GpuContext, IndirectArgs, SlotMap, SlotMapBufs, NO_SLOT};
 use smoe_vault::ModelConfig;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -37,6 +48,10 @@ const MAX_N: usize = GEMM_MIN / 2;
 /// head a few more).
 const WINDOW_DISPATCHES: usize = 64 * WINDOW + 64;
 
+/// MoE layers after a halted one whose choice a speculative pass shows, by default (discrete
+/// GPUs; `SMOE_GPU_SPECULATE` or `GpuDecoder::set_speculate` set it, 0 turns it off).
+pub(super) const SPEC_DEPTH: usize = 2;
+
 /// What running through needs on the GPU, beside `Streaming`.
 pub(super) struct Through {
     /// `[layers][experts]` u32: the slot holding each expert, or `NO_SLOT` (the host's table,
@@ -51,6 +66,14 @@ pub(super) struct Through {
     args: Mutex<[IndirectArgs; 2]>,
     /// Per batch size (index log2 n, up to `MAX_N`) and layer: the slot map of MoE layers.
     maps: Vec<Vec<Option<Op>>>,
+    /// The same, speculative (misses left out, never halting).
+    spec_maps: Vec<Vec<Option<Op>>>,
+    /// A speculative pass's copies of the state a resume reads: x, hn and the router weights.
+    saved: [wgpu::Buffer; 3],
+    /// A speculative pass's chosen ids (`chosen`).
+    spec_readback: Readback,
+    /// MoE layers a speculative pass looks ahead; 0: none.
+    pub(super) depth: AtomicUsize,
     /// Status, chosen ids and the lookahead's guess of the last window.
     readback: Readback,
     /// Off: every MoE layer stops for the host, as prompt batches do (`set_run_through`).
@@ -63,12 +86,14 @@ fn chosen_bytes(cfg: &ModelConfig) -> u64 {
 }
 
 impl Through {
-    /// `max_piece`: the largest batch whose experts always fit the slots.
+    /// `max_piece`: the largest batch whose experts always fit the slots; `spec_depth`: MoE
+    /// layers a speculative pass looks ahead (0: none).
     pub(super) fn new(
         ctx: &GpuContext,
         cfg: &ModelConfig,
         acts: &Acts,
         max_piece: usize,
+        spec_depth: usize,
     ) -> Result<Self, EngineError> {
         let k = cfg.num_experts_per_tok.max(1);
         let buf = |label: &str, bytes: u64, usage: wgpu::BufferUsages| {
@@ -99,34 +124,40 @@ impl Through {
             wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
         );
         let args = [0, 1].map(|_| IndirectArgs::new(ctx, WINDOW_DISPATCHES));
-        let mut maps = vec![];
+        let (mut maps, mut spec_maps) = (vec![], vec![]);
         for n in crate::gpu::batch_sizes() {
             if n > MAX_N.min(max_piece) {
                 break;
             }
-            let layer_maps = (0..cfg.num_layers)
-                .map(|l| {
-                    if !cfg.moe_layers().any(|m| m == l) {
-                        return Ok(None);
-                    }
-                    // The lookahead (`LayerOps::lookahead`) guesses the next MoE layer's.
-                    let next = cfg.moe_layers().find(|&m| m > l);
-                    let b = SlotMapBufs {
-                        ids: BufRef::new(&acts.ids),
-                        table: &table,
-                        chosen: &chosen,
-                        args: &args[(l / WINDOW) % 2],
-                        status: &status,
-                        guess: next.map(|m| (BufRef::new(&acts.ahead[1]), m)),
-                    };
-                    // `chosen` rows are `MAX_N·k` wide whatever n is.
-                    let map = SlotMap::new(ctx, &b, l, experts, n * k, MAX_N * k)
-                        .map_err(crate::gpu::gpu_err)?;
-                    Ok(Some(Op::new("slot map", map)))
-                })
-                .collect::<Result<Vec<_>, EngineError>>()?;
-            maps.push(layer_maps);
+            let layer_maps = |spec: bool| {
+                (0..cfg.num_layers)
+                    .map(|l| {
+                        if !cfg.moe_layers().any(|m| m == l) {
+                            return Ok(None);
+                        }
+                        // The lookahead (`LayerOps::lookahead`) guesses the next MoE layer's.
+                        let next = cfg.moe_layers().find(|&m| m > l).filter(|_| !spec);
+                        let b = SlotMapBufs {
+                            ids: BufRef::new(&acts.ids),
+                            table: &table,
+                            chosen: &chosen,
+                            args: &args[(l / WINDOW) % 2],
+                            status: &status,
+                            guess: next.map(|m| (BufRef::new(&acts.ahead[1]), m)),
+                            spec: spec.then(|| BufRef::new(&acts.rw)),
+                        };
+                        // `chosen` rows are `MAX_N·k` wide whatever n is.
+                        let map = SlotMap::new(ctx, &b, l, experts, n * k, MAX_N * k)
+                            .map_err(crate::gpu::gpu_err)?;
+                        Ok(Some(Op::new("slot map", map)))
+                    })
+                    .collect::<Result<Vec<_>, EngineError>>()
+            };
+            maps.push(layer_maps(false)?);
+            spec_maps.push(layer_maps(true)?);
         }
+        let h = acts.d.h;
+        let saved = [MAX_N * h, MAX_N * h, MAX_N * k].map(|len| ctx.storage_buffer("saved", 4 * len as u64));
         let ahead = 4 * (MAX_N * k) as u64;
         Ok(Through {
             readback: Readback::new(ctx, 16 + chosen_bytes(cfg) + ahead),
@@ -136,6 +167,10 @@ impl Through {
             status,
             args: Mutex::new(args),
             maps,
+            spec_maps,
+            saved,
+            spec_readback: Readback::new(ctx, chosen_bytes(cfg)),
+            depth: AtomicUsize::new(spec_depth),
             on: AtomicBool::new(std::env::var("SMOE_GPU_SLOT_TABLE").as_deref() != Ok("0")),
         })
     }
@@ -288,16 +323,26 @@ impl GpuDecoder {
             let filling = Instant::now();
             let ids = ids_of(l).to_vec();
             let used: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
-            if let Some(next_moe) = self.next_moe(l).filter(|_| !layers[l].lookahead.is_empty()) {
+            // While this layer's misses are read, a speculative pass shows what the next layers
+            // will choose (a better guess than the lookahead's, which then goes unused).
+            let spec = self.speculate(st, th, gkv, layers, n, l, &ids);
+            let lookahead = self.next_moe(l).filter(|_| !layers[l].lookahead.is_empty());
+            if let Some(next_moe) = lookahead.filter(|_| spec.is_none()) {
                 self.prefetch_guess(st, next_moe, &ran.guess[..n * k]);
             }
             self.experts.note_uses(l, &used);
             // The resumed window is recorded while the slots fill (it reads the ids written
-            // below when it runs).
+            // below when it runs). The fill maps this layer's slots, which a speculative pass
+            // reads: it waits for that pass anyway, and starts its guesses' reads first.
             let counts: &mut [IndirectArgs; 2] = &mut args;
             let (resumed, slots) = rayon::join(
                 || record(counts, l, true),
-                || self.fill_stop(st, l, &ids, None),
+                || {
+                    if let Some(spec) = spec {
+                        self.spec_guesses(st, th, spec, n)?;
+                    }
+                    self.fill_stop(st, l, &ids, None)
+                },
             );
             let slots = slots?;
             st.fill_ns
@@ -306,5 +351,105 @@ impl GpuDecoder {
             q.write_buffer(&th.status, 0, &[0; 16]);
             next = resumed;
         }
+    }
+}
+
+/// A submitted speculative pass: its submission, and the MoE layers whose choice it shows.
+struct Spec {
+    index: wgpu::SubmissionIndex,
+    layers: Vec<usize>,
+}
+
+impl GpuDecoder {
+    /// At a halt at MoE layer `l`, whose router chose `ids` (n tokens): if any expert the layer
+    /// misses must still come from the disk, starts those reads and submits a speculative pass
+    /// (module doc) over the next `depth` MoE layers. The pass saves x, hn and the router
+    /// weights first and restores them last, so the resume that follows it on the queue starts
+    /// from the halted state.
+    #[allow(clippy::too_many_arguments)]
+    fn speculate(
+        &self,
+        st: &Streaming,
+        th: &Through,
+        gkv: &GpuKv,
+        layers: &[LayerOps],
+        n: usize,
+        l: usize,
+        ids: &[u32],
+    ) -> Option<Spec> {
+        let depth = th.depth.load(Ordering::Relaxed);
+        let maps = th.spec_maps.get(n.trailing_zeros() as usize)?;
+        let map = maps[l].as_ref()?;
+        let ahead: Vec<usize> = (self.cfg.moe_layers()).filter(|&m| m > l).take(depth).collect();
+        let &last = ahead.last()?;
+        let disk = self.experts.pending(l, &st.missing(l, ids));
+        if disk.is_empty() {
+            return None;
+        }
+        self.experts.prefetch(l, &disk);
+        let d = self.acts.d;
+        let live = [&self.acts.x, &self.acts.hn, &self.acts.rw];
+        let bytes = [n * d.h, n * d.h, n * d.k].map(|len| 4 * len as u64);
+        let mut enc = self.ctx.encoder();
+        for ((from, to), b) in live.iter().zip(&th.saved).zip(bytes) {
+            enc.copy_buffer_to_buffer(from, 0, to, 0, b);
+        }
+        {
+            let pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some("forward, speculative"),
+                timestamp_writes: None,
+            });
+            let mut r = Recorder::new(pass, None, false, false);
+            map.record(&mut r);
+            layers[l].experts().iter().for_each(|op| op.record(&mut r));
+            for (m, ops) in layers.iter().enumerate().take(last + 1).skip(l + 1) {
+                ops.pre.iter().for_each(|op| op.record(&mut r));
+                gkv.record(n.trailing_zeros() as usize, m, &mut r);
+                match (ops.routed(), &maps[m]) {
+                    (Some((router, experts)), Some(map)) => {
+                        router.iter().for_each(|op| op.record(&mut r));
+                        map.record(&mut r);
+                        if m < last {
+                            experts.iter().for_each(|op| op.record(&mut r));
+                        }
+                    }
+                    _ => ops.post.iter().for_each(|op| op.record(&mut r)),
+                }
+            }
+            r.end();
+        }
+        for ((to, from), b) in live.iter().zip(&th.saved).zip(bytes) {
+            enc.copy_buffer_to_buffer(from, 0, to, 0, b);
+        }
+        th.spec_readback
+            .copy(&mut enc, &th.chosen, chosen_bytes(&self.cfg));
+        let index = self.ctx.queue.submit([enc.finish()]);
+        st.spec_runs.fetch_add(1, Ordering::Relaxed);
+        Some(Spec {
+            index,
+            layers: ahead,
+        })
+    }
+
+    /// Waits for a speculative pass and starts reading the experts it chose that no VRAM slot
+    /// of their layer holds (as lookahead guesses: after any read a layer waits for).
+    fn spec_guesses(
+        &self,
+        st: &Streaming,
+        th: &Through,
+        spec: Spec,
+        n: usize,
+    ) -> Result<(), EngineError> {
+        let row = MAX_N * self.acts.d.k;
+        let bytes = chosen_bytes(&self.cfg);
+        let chosen = (th.spec_readback).read_after(&self.ctx, Some(spec.index), bytes, |b| {
+            bytemuck::cast_slice::<u8, u32>(b).to_vec()
+        })?;
+        for m in spec.layers {
+            let want = st.missing(m, &chosen[m * row..m * row + n * self.acts.d.k]);
+            self.experts.prefetch(m, &want);
+            (st.spec_guesses).fetch_add(want.len() as u64, Ordering::Relaxed);
+        }
+        Ok(())
     }
 }
