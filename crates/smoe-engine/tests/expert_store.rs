@@ -262,6 +262,41 @@ fn needed_reads_overtake_queued_guesses() {
     assert_eq!(st.total.prefetch_wasted + st.total.prefetch_cancelled, 0);
 }
 
+/// Reads started early for a layer that certainly needs them (`fetch_early`, the GPU's
+/// speculative pass) are needed reads: they overtake queued guesses, stay pending until read,
+/// and count as misses, not as lookahead reads used.
+#[test]
+fn reads_started_early_are_needed_reads() {
+    let v = TempVault::new("tiny-tied", DType::Q4);
+    let (experts, reads) = slow_logged_store(&v, 250);
+    experts.prefetch(1, &[0, 1, 2]);
+    let t = std::time::Instant::now();
+    while reads.lock().unwrap().is_empty() {
+        assert!(t.elapsed().as_secs() < 10, "the reader never started");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    experts.fetch_early(0, &[3, 4]);
+    assert_eq!(experts.pending(0, &[3, 4, 5]), vec![3, 4, 5]);
+    let mut got = vec![];
+    experts
+        .for_each_blob(0, &[3, 4], (None, &[]), &mut |e, _| got.push(e))
+        .unwrap();
+    got.sort_unstable();
+    assert_eq!(got, vec![3, 4]);
+    assert_eq!(experts.pending(0, &[3, 4, 5]), vec![5], "read and cached");
+    experts
+        .for_each_blob(1, &[0, 1, 2], (None, &[]), &mut |_, _| {})
+        .unwrap();
+    assert_eq!(
+        *reads.lock().unwrap(),
+        vec![(1, 0), (0, 3), (0, 4), (1, 1), (1, 2)]
+    );
+    let st = experts.stats().unwrap();
+    assert_eq!(st.per_layer[0].misses, 2, "{st:?}");
+    assert_eq!(st.per_layer[0].prefetched, 0, "{st:?}");
+    assert_eq!(st.total.prefetched, 3, "{st:?}");
+}
+
 /// An engine on `path` whose store reads through `fault`: 2 readers, 16 KiB pieces.
 fn open_with_fault(
     path: &Path,

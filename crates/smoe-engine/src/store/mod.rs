@@ -294,6 +294,14 @@ impl Experts {
         }
     }
 
+    /// Starts reading `experts` of `layer` that it certainly needs, ahead of the
+    /// `for_each`/`for_each_blob` that will ask for them (streaming only; a no-op otherwise).
+    pub fn fetch_early(&self, layer: usize, experts: &[usize]) {
+        if let Source::Streamed(s) = &self.source {
+            s.fetch_early(layer, &self.with_blobs(layer, experts));
+        }
+    }
+
     /// As `prefetch`, started only once the next `for_each`/`for_each_blob` has queued the
     /// reads it certainly needs (streaming only; a no-op otherwise).
     pub fn prefetch_after(&self, layer: usize, experts: &[usize]) {

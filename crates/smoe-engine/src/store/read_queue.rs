@@ -138,6 +138,8 @@ pub struct BlobRead {
     pub expert: usize,
     pub blob: usize,
     pub offset: u64,
+    /// Started as a lookahead guess (not as a read some layer was known to need).
+    pub guess: bool,
     len: usize,
     piece: usize,
     pieces: usize,
@@ -231,6 +233,7 @@ impl BlobRead {
             expert,
             blob,
             offset,
+            guess: priority == Priority::Guess,
             len,
             piece,
             pieces,
@@ -375,6 +378,10 @@ impl BlobRead {
     /// A guess the layer needs after all: its remaining pieces, to queue as needed.
     fn promote(&self) -> usize {
         let mut s = self.state();
+        if s.priority == Priority::Needed {
+            // Already queued as needed (read early): its pieces are in that queue.
+            return 0;
+        }
         s.priority = Priority::Needed;
         self.pieces - s.next
     }

@@ -162,6 +162,16 @@ impl StreamedStore {
     /// Starts reading the experts a later layer will probably need (not cached, not already
     /// coming) as guesses: they use the disk only while no needed read waits.
     pub fn prefetch(&self, layer: usize, experts: &[(usize, usize)]) {
+        self.start(layer, experts, Priority::Guess);
+    }
+
+    /// Starts reading experts that `layer` certainly needs (not cached, not already coming)
+    /// before its `for_each_blob` asks for them, as needed reads.
+    pub fn fetch_early(&self, layer: usize, experts: &[(usize, usize)]) {
+        self.start(layer, experts, Priority::Needed);
+    }
+
+    fn start(&self, layer: usize, experts: &[(usize, usize)], p: Priority) {
         let cache = self.cache.lock().unwrap();
         let mut pre = self.prefetched.lock().unwrap();
         for &(e, blob) in experts {
@@ -169,7 +179,7 @@ impl StreamedStore {
             if cache.contains(key) || pre.contains_key(&key) {
                 continue;
             }
-            let read = self.new_read((layer, e, blob), Priority::Guess, (None, None));
+            let read = self.new_read((layer, e, blob), p, (None, None));
             self.queue.push(&read);
             pre.insert(key, read);
         }
@@ -250,6 +260,8 @@ impl StreamedStore {
             self.queue.promote(read);
         }
         let n_guessed = guessed.len();
+        // (Reads started early as needed ones are misses, not lookahead reads used.)
+        let n_lookahead = guessed.iter().filter(|r| r.guess).count();
         let mut waits = guessed;
         for &(e, blob) in &misses {
             let target = targets.iter().find(|t| t.0 == e).map(|t| t.1);
@@ -299,7 +311,7 @@ impl StreamedStore {
         let ls = &mut st.per_layer[layer];
         ls.hits += hits.len() as u64;
         ls.misses += (n_guessed + misses.len()) as u64;
-        ls.prefetched += n_guessed as u64;
+        ls.prefetched += n_lookahead as u64;
         ls.prefetch_wasted += wasted;
         ls.prefetch_cancelled += cancelled;
         ls.read_seconds += read_secs;

@@ -362,7 +362,8 @@ struct Spec {
 
 impl GpuDecoder {
     /// At a halt at MoE layer `l`, whose router chose `ids` (n tokens): if any expert the layer
-    /// misses must still come from the disk, starts those reads and submits a speculative pass
+    /// misses must still come from the disk, starts those reads (as needed ones: the fill that
+    /// waits for them starts only after this pass) and submits a speculative pass
     /// (module doc) over the next `depth` MoE layers. The pass saves x, hn and the router
     /// weights first and restores them last, so the resume that follows it on the queue starts
     /// from the halted state.
@@ -386,7 +387,7 @@ impl GpuDecoder {
         if disk.is_empty() {
             return None;
         }
-        self.experts.prefetch(l, &disk);
+        self.experts.fetch_early(l, &disk);
         let d = self.acts.d;
         let live = [&self.acts.x, &self.acts.hn, &self.acts.rw];
         let bytes = [n * d.h, n * d.h, n * d.k].map(|len| 4 * len as u64);
