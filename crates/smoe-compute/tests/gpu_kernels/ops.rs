@@ -430,7 +430,8 @@ fn slot_map_maps_or_halts_the_pass() {
     let want = ops::slot_map_spec(&ids, &table[2 * experts..3 * experts]);
     assert!(want.iter().filter(|s| s.is_none()).count() >= 2);
     let got_w = ctx.read_f32(&wb, 0, count).unwrap();
-    for (j, (&slot, w)) in ctx.read_u32(&idb, 0, count).unwrap().iter().zip(got_w).enumerate() {
+    let got_s = ctx.read_u32(&idb, 0, count).unwrap();
+    for (j, (&slot, w)) in got_s.iter().zip(got_w).enumerate() {
         let (ws, ww) = match want[j] {
             Some(s) => (s, weights[j]),
             None => (0, 0.0),
@@ -438,8 +439,16 @@ fn slot_map_maps_or_halts_the_pass() {
         assert_eq!((slot, w), (ws, ww), "speculative, slot {j}");
     }
     let chosen = ctx.read_u32(&cb, 0, layers * row).unwrap();
-    assert_eq!(&chosen[2 * row..2 * row + count], &ids[..], "speculative: chosen ids");
-    assert_eq!(ctx.read_u32(&sb, 0, 1).unwrap()[0], 2, "speculative: status left alone");
+    assert_eq!(
+        &chosen[2 * row..2 * row + count],
+        &ids[..],
+        "speculative: chosen ids"
+    );
+    assert_eq!(
+        ctx.read_u32(&sb, 0, 1).unwrap()[0],
+        2,
+        "speculative: status left alone"
+    );
     // Shapes it cannot serve are refused.
     let small = ctx.upload("small", &[0; 16]);
     let args = IndirectArgs::new(ctx, 1);

@@ -157,7 +157,8 @@ impl Through {
             spec_maps.push(layer_maps(true)?);
         }
         let h = acts.d.h;
-        let saved = [MAX_N * h, MAX_N * h, MAX_N * k].map(|len| ctx.storage_buffer("saved", 4 * len as u64));
+        let saved = [MAX_N * h, MAX_N * h, MAX_N * k]
+            .map(|len| ctx.storage_buffer("saved", 4 * len as u64));
         let ahead = 4 * (MAX_N * k) as u64;
         Ok(Through {
             readback: Readback::new(ctx, 16 + chosen_bytes(cfg) + ahead),
@@ -381,7 +382,10 @@ impl GpuDecoder {
         let depth = th.depth.load(Ordering::Relaxed);
         let maps = th.spec_maps.get(n.trailing_zeros() as usize)?;
         let map = maps[l].as_ref()?;
-        let ahead: Vec<usize> = (self.cfg.moe_layers()).filter(|&m| m > l).take(depth).collect();
+        let ahead: Vec<usize> = (self.cfg.moe_layers())
+            .filter(|&m| m > l)
+            .take(depth)
+            .collect();
         let &last = ahead.last()?;
         let disk = self.experts.pending(l, &st.missing(l, ids));
         if disk.is_empty() {
