@@ -269,7 +269,8 @@ fn needed_reads_overtake_queued_guesses() {
 fn reads_started_early_are_needed_reads() {
     let v = TempVault::new("tiny-tied", DType::Q4);
     let (experts, reads) = slow_logged_store(&v, 250);
-    experts.prefetch(1, &[0, 1, 2]);
+    assert_eq!(experts.prefetch(1, &[0, 1, 2]), 3, "reads started");
+    assert_eq!(experts.prefetch(1, &[1, 2]), 0, "already coming");
     let t = std::time::Instant::now();
     while reads.lock().unwrap().is_empty() {
         assert!(t.elapsed().as_secs() < 10, "the reader never started");

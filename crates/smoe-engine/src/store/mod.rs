@@ -279,9 +279,11 @@ impl Experts {
     }
 
     /// Starts reading `experts` of `layer` ahead of use (streaming only; a no-op otherwise).
-    pub fn prefetch(&self, layer: usize, experts: &[usize]) {
-        if let Source::Streamed(s) = &self.source {
-            s.prefetch(layer, &self.with_blobs(layer, experts));
+    /// Returns how many reads it started (not those cached or already coming).
+    pub fn prefetch(&self, layer: usize, experts: &[usize]) -> usize {
+        match &self.source {
+            Source::Streamed(s) => s.prefetch(layer, &self.with_blobs(layer, experts)),
+            Source::Mapped => 0,
         }
     }
 

@@ -161,8 +161,8 @@ impl StreamedStore {
 
     /// Starts reading the experts a later layer will probably need (not cached, not already
     /// coming) as guesses: they use the disk only while no needed read waits.
-    pub fn prefetch(&self, layer: usize, experts: &[(usize, usize)]) {
-        self.start(layer, experts, Priority::Guess);
+    pub fn prefetch(&self, layer: usize, experts: &[(usize, usize)]) -> usize {
+        self.start(layer, experts, Priority::Guess)
     }
 
     /// Starts reading experts that `layer` certainly needs (not cached, not already coming)
@@ -171,9 +171,11 @@ impl StreamedStore {
         self.start(layer, experts, Priority::Needed);
     }
 
-    fn start(&self, layer: usize, experts: &[(usize, usize)], p: Priority) {
+    /// Queues reads of those of `experts` neither cached nor already coming; returns how many.
+    fn start(&self, layer: usize, experts: &[(usize, usize)], p: Priority) -> usize {
         let cache = self.cache.lock().unwrap();
         let mut pre = self.prefetched.lock().unwrap();
+        let mut started = 0;
         for &(e, blob) in experts {
             let key = layer * self.n_experts + e;
             if cache.contains(key) || pre.contains_key(&key) {
@@ -182,7 +184,9 @@ impl StreamedStore {
             let read = self.new_read((layer, e, blob), p, (None, None));
             self.queue.push(&read);
             pre.insert(key, read);
+            started += 1;
         }
+        started
     }
 
     /// Of `experts` of `layer`, those a `for_each_blob` would still wait for: neither cached nor

@@ -192,6 +192,31 @@ impl Through {
     }
 }
 
+/// Records layer `l` of a pass that maps its router's choice to slots on the GPU (`map`, MoE
+/// layers): attention, the router, then `lookahead` (ops recorded before the map), the map and,
+/// with `experts`, the experts and what follows them; a layer without a map records all of it.
+fn record_layer(
+    r: &mut Recorder,
+    (ops, gkv, n, l): (&LayerOps, &GpuKv, usize, usize),
+    map: Option<&Op>,
+    lookahead: &[Op],
+    experts: bool,
+) {
+    ops.pre.iter().for_each(|op| op.record(r));
+    gkv.record(n.trailing_zeros() as usize, l, r);
+    match (ops.routed(), map) {
+        (Some((router, rest)), Some(map)) => {
+            router.iter().for_each(|op| op.record(r));
+            lookahead.iter().for_each(|op| op.record(r));
+            map.record(r);
+            if experts {
+                rest.iter().for_each(|op| op.record(r));
+            }
+        }
+        _ => ops.post.iter().for_each(|op| op.record(r)),
+    }
+}
+
 /// What one window's submission read back.
 struct Ran {
     /// The MoE layer that halted the window, if one did.
@@ -240,17 +265,8 @@ impl GpuDecoder {
                         ops.experts().iter().for_each(|op| op.record(&mut r));
                         continue;
                     }
-                    ops.pre.iter().for_each(|op| op.record(&mut r));
-                    gkv.record(n.trailing_zeros() as usize, l, &mut r);
-                    match (ops.routed(), &maps[l]) {
-                        (Some((router, experts)), Some(map)) => {
-                            router.iter().for_each(|op| op.record(&mut r));
-                            ops.lookahead.iter().for_each(|op| op.record(&mut r));
-                            map.record(&mut r);
-                            experts.iter().for_each(|op| op.record(&mut r));
-                        }
-                        _ => ops.post.iter().for_each(|op| op.record(&mut r)),
-                    }
+                    let lookahead = &ops.lookahead[..];
+                    record_layer(&mut r, (ops, gkv, n, l), maps[l].as_ref(), lookahead, true);
                 }
                 if to == layers.len() {
                     record_head(head, &mut r, end, last);
@@ -408,18 +424,7 @@ impl GpuDecoder {
             map.record(&mut r);
             layers[l].experts().iter().for_each(|op| op.record(&mut r));
             for (m, ops) in layers.iter().enumerate().take(last + 1).skip(l + 1) {
-                ops.pre.iter().for_each(|op| op.record(&mut r));
-                gkv.record(n.trailing_zeros() as usize, m, &mut r);
-                match (ops.routed(), &maps[m]) {
-                    (Some((router, experts)), Some(map)) => {
-                        router.iter().for_each(|op| op.record(&mut r));
-                        map.record(&mut r);
-                        if m < last {
-                            experts.iter().for_each(|op| op.record(&mut r));
-                        }
-                    }
-                    _ => ops.post.iter().for_each(|op| op.record(&mut r)),
-                }
+                record_layer(&mut r, (ops, gkv, n, m), maps[m].as_ref(), &[], m < last);
             }
             r.end();
         }
@@ -452,8 +457,8 @@ impl GpuDecoder {
         })?;
         for m in spec.layers {
             let want = st.missing(m, &chosen[m * row..m * row + n * self.acts.d.k]);
-            self.experts.prefetch(m, &want);
-            (st.spec_guesses).fetch_add(want.len() as u64, Ordering::Relaxed);
+            let started = self.experts.prefetch(m, &want);
+            (st.spec_guesses).fetch_add(started as u64, Ordering::Relaxed);
         }
         Ok(())
     }
