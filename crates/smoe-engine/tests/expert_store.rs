@@ -229,6 +229,15 @@ fn wrong_lookahead_guesses_are_dropped_unread() {
     assert_eq!(st.total.bytes_read as usize, got[0].1, "{st:?}");
 }
 
+/// Waits until the logged store's reader has started a read (it logs as it starts).
+fn wait_for_a_read(reads: &ReadLog) {
+    let t = std::time::Instant::now();
+    while reads.lock().unwrap().is_empty() {
+        assert!(t.elapsed().as_secs() < 10, "the reader never started");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
 /// Needed reads go before lookahead guesses: with one reader (which may read one guess at a
 /// time) and every piece held 250 ms, the layer's two misses are read right after the guess
 /// piece already started, ahead of the two guesses still queued, which follow.
@@ -238,11 +247,7 @@ fn needed_reads_overtake_queued_guesses() {
     let (experts, reads) = slow_logged_store(&v, 250);
     experts.prefetch(1, &[0, 1, 2]);
     // Once the reader has started the first guess (it logs as it starts).
-    let t = std::time::Instant::now();
-    while reads.lock().unwrap().is_empty() {
-        assert!(t.elapsed().as_secs() < 10, "the reader never started");
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    }
+    wait_for_a_read(&reads);
     let mut got = vec![];
     experts
         .for_each_blob(0, &[3, 4], (None, &[]), &mut |e, _| got.push(e))
@@ -271,11 +276,7 @@ fn reads_started_early_are_needed_reads() {
     let (experts, reads) = slow_logged_store(&v, 250);
     assert_eq!(experts.prefetch(1, &[0, 1, 2]), 3, "reads started");
     assert_eq!(experts.prefetch(1, &[1, 2]), 0, "already coming");
-    let t = std::time::Instant::now();
-    while reads.lock().unwrap().is_empty() {
-        assert!(t.elapsed().as_secs() < 10, "the reader never started");
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    }
+    wait_for_a_read(&reads);
     experts.fetch_early(0, &[3, 4]);
     assert_eq!(experts.pending(0, &[3, 4, 5]), vec![3, 4, 5]);
     let mut got = vec![];

@@ -309,14 +309,20 @@ fn slot_map_maps_or_halts_the_pass() {
         (0, &hits, 0, Some(&hits)),
         (0, &hits, 0, Some(&misses)),
     ];
+    // What a slot map reads and writes: ids, the table, chosen ids (poisoned), the status.
+    let upload = |ids: &[u32], status: u32| {
+        (
+            ctx.upload("ids", bytemuck::cast_slice(ids)),
+            ctx.upload("table", bytemuck::cast_slice(&table)),
+            ctx.upload("chosen", &vec![0xEE; 4 * layers * row]),
+            ctx.upload("status", bytemuck::cast_slice(&[status, 0, 0, 0])),
+        )
+    };
     for (layer, ids, pre_halted, guess) in cases {
         let what =
             format!("layer {layer}, ids {ids:?}, halted before: {pre_halted}, guess {guess:?}");
-        let idb = ctx.upload("ids", bytemuck::cast_slice(ids));
+        let (idb, tb, cb, sb) = upload(ids, pre_halted);
         let gb = ctx.upload("guess", bytemuck::cast_slice(guess.unwrap_or(ids)));
-        let tb = ctx.upload("table", bytemuck::cast_slice(&table));
-        let cb = ctx.upload("chosen", &vec![0xEE; 4 * layers * row]);
-        let sb = ctx.upload("status", bytemuck::cast_slice(&[pre_halted, 0, 0, 0]));
         let mut args = IndirectArgs::new(ctx, 8);
         let b = SlotMapBufs {
             ids: BufRef::new(&idb),
@@ -408,11 +414,8 @@ fn slot_map_maps_or_halts_the_pass() {
     let mut ids = misses.clone();
     ids[3] = 99; // not an expert: left out too
     let weights = rand_vec(count, 3, 1.0);
-    let idb = ctx.upload("ids", bytemuck::cast_slice(&ids));
+    let (idb, tb, cb, sb) = upload(&ids, 2);
     let wb = ctx.upload_f32("weights", &weights);
-    let tb = ctx.upload("table", bytemuck::cast_slice(&table));
-    let cb = ctx.upload("chosen", &vec![0xEE; 4 * layers * row]);
-    let sb = ctx.upload("status", bytemuck::cast_slice(&[2u32, 0, 0, 0]));
     let args = IndirectArgs::new(ctx, 8);
     let b = SlotMapBufs {
         ids: BufRef::new(&idb),
