@@ -238,6 +238,25 @@ fn wait_for_a_read(reads: &ReadLog) {
     }
 }
 
+/// Layer 0 takes experts 3 and 4, then layer 1 its guesses 0, 1 and 2 (still wanted); with one
+/// reader, whose first read was guess 0, the reads ran in the order: guess 0, the two layer-0
+/// reads, the other guesses.
+fn layer_0_then_the_guesses(experts: &smoe_engine::store::Experts, reads: &ReadLog) {
+    let mut got = vec![];
+    experts
+        .for_each_blob(0, &[3, 4], (None, &[]), &mut |e, _| got.push(e))
+        .unwrap();
+    got.sort_unstable();
+    assert_eq!(got, vec![3, 4]);
+    experts
+        .for_each_blob(1, &[0, 1, 2], (None, &[]), &mut |_, _| {})
+        .unwrap();
+    assert_eq!(
+        *reads.lock().unwrap(),
+        vec![(1, 0), (0, 3), (0, 4), (1, 1), (1, 2)]
+    );
+}
+
 /// Needed reads go before lookahead guesses: with one reader (which may read one guess at a
 /// time) and every piece held 250 ms, the layer's two misses are read right after the guess
 /// piece already started, ahead of the two guesses still queued, which follow.
@@ -248,20 +267,7 @@ fn needed_reads_overtake_queued_guesses() {
     experts.prefetch(1, &[0, 1, 2]);
     // Once the reader has started the first guess (it logs as it starts).
     wait_for_a_read(&reads);
-    let mut got = vec![];
-    experts
-        .for_each_blob(0, &[3, 4], (None, &[]), &mut |e, _| got.push(e))
-        .unwrap();
-    got.sort_unstable();
-    assert_eq!(got, vec![3, 4]);
-    // The guesses are still wanted: layer 1 takes them.
-    experts
-        .for_each_blob(1, &[0, 1, 2], (None, &[]), &mut |_, _| {})
-        .unwrap();
-    assert_eq!(
-        *reads.lock().unwrap(),
-        vec![(1, 0), (0, 3), (0, 4), (1, 1), (1, 2)]
-    );
+    layer_0_then_the_guesses(&experts, &reads);
     let st = experts.stats().unwrap();
     assert_eq!(st.total.prefetched, 3, "{st:?}");
     assert_eq!(st.total.prefetch_wasted + st.total.prefetch_cancelled, 0);
@@ -279,20 +285,8 @@ fn reads_started_early_are_needed_reads() {
     wait_for_a_read(&reads);
     experts.fetch_early(0, &[3, 4]);
     assert_eq!(experts.pending(0, &[3, 4, 5]), vec![3, 4, 5]);
-    let mut got = vec![];
-    experts
-        .for_each_blob(0, &[3, 4], (None, &[]), &mut |e, _| got.push(e))
-        .unwrap();
-    got.sort_unstable();
-    assert_eq!(got, vec![3, 4]);
+    layer_0_then_the_guesses(&experts, &reads);
     assert_eq!(experts.pending(0, &[3, 4, 5]), vec![5], "read and cached");
-    experts
-        .for_each_blob(1, &[0, 1, 2], (None, &[]), &mut |_, _| {})
-        .unwrap();
-    assert_eq!(
-        *reads.lock().unwrap(),
-        vec![(1, 0), (0, 3), (0, 4), (1, 1), (1, 2)]
-    );
     let st = experts.stats().unwrap();
     assert_eq!(st.per_layer[0].misses, 2, "{st:?}");
     assert_eq!(st.per_layer[0].prefetched, 0, "{st:?}");
