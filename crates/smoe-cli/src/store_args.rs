@@ -89,7 +89,7 @@ impl StoreArgs {
                 0.0
             };
             eprintln!(
-                "[VRAM expert slots: {} hits, {} misses ({rate:.1}% hit rate); passes {:.3}s: GPU wait {:.3}s, filling slots {:.3}s (uploads {:.3}s) at {} router stops ({} found every expert in VRAM), {} MoE layers ran through without one; {} speculative passes started {} reads; filled {}; the line below is the host store behind them]",
+                "[VRAM expert slots: {} hits, {} misses ({rate:.1}% hit rate); passes {:.3}s: GPU wait {:.3}s, filling slots {:.3}s (uploads {:.3}s) at {} router stops ({} found every expert in VRAM), {} MoE layers ran through without one; {} speculative passes started {} reads; filled {}; GPU clocks {}; the line below is the host store behind them]",
                 v.hits,
                 v.misses,
                 v.pass_s,
@@ -105,6 +105,10 @@ impl StoreArgs {
                     (true, 0) => "through a mapping".to_string(),
                     (true, n) => format!("through a mapping, {n} read straight into a slot"),
                     (false, _) => "through staging".to_string(),
+                },
+                match v.clocks_held {
+                    true => "held up (CUDA context)",
+                    false => "left to the driver",
                 }
             );
         }

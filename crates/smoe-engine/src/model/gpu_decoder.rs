@@ -27,7 +27,9 @@ use crate::gpu::{
 use crate::kv_cache::KvCache;
 use crate::rope::RopeTable;
 use crate::store::{CacheBudget, Experts, StoreOptions};
-use smoe_compute::gpu::{wgpu, BufRef, EmbedGather, GpuContext, MatrixUnits, Timestamps};
+use smoe_compute::gpu::{
+    wgpu, BufRef, ClockHold, EmbedGather, GpuContext, MatrixUnits, Timestamps,
+};
 use smoe_vault::{ModelConfig, TensorData, Vault};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -290,6 +292,17 @@ impl GpuDecoder {
                 Err(_) => through::SPEC_DEPTH,
             };
             st.through = Some(Through::new(ctx, &cfg, &acts, st.max_piece, depth)?);
+            // The decode waits for reads with the GPU idle: keep its clock up meanwhile.
+            st.clocks = match ClockHold::acquire(&ctx.info().adapter) {
+                Ok(hold) => {
+                    tracing::info!("GPU backend: clocks held up by a CUDA context while streaming");
+                    Some(hold)
+                }
+                Err(why) => {
+                    tracing::debug!("GPU backend: clocks not held ({why})");
+                    None
+                }
+            };
         }
         let chain = match weights.embedding(cfg.tie_word_embeddings) {
             Some(e) => {

@@ -8,7 +8,7 @@ use super::{nanos, GpuDecoder};
 use crate::error::EngineError;
 use crate::gpu::{Op, Readback, Recorder, SlotWriter, T_MAX};
 use crate::store::{PieceSink, ReadTarget};
-use smoe_compute::gpu::{wgpu, GpuContext};
+use smoe_compute::gpu::{wgpu, ClockHold, GpuContext};
 use smoe_vault::ModelConfig;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -55,6 +55,9 @@ pub(super) struct Streaming {
     /// Decode batches run through the layers whose experts sit in VRAM (`through`); `None`
     /// where its buffers could not be made.
     pub(super) through: Option<Through>,
+    /// Keeps an NVIDIA GPU at its full clock while the decode waits for reads
+    /// (`smoe_compute::gpu::ClockHold`); `None` where that does not apply or is turned off.
+    pub(super) clocks: Option<ClockHold>,
 }
 
 /// What the streaming GPU path did since load (or `reset_slot_stats`): VRAM slot hits and misses
@@ -93,6 +96,9 @@ pub struct SlotStats {
     pub mapped: bool,
     /// Blobs read from disk straight into their slot (unified memory: the bytes moved once).
     pub landed: u64,
+    /// The GPU is held at its full clock while the model is loaded (`ClockHold`: an NVIDIA
+    /// GPU, whose driver otherwise lowers the clock while the decode waits for reads).
+    pub clocks_held: bool,
 }
 
 pub(super) struct SlotTable {
@@ -155,6 +161,7 @@ impl Streaming {
             spec_runs: AtomicU64::new(0),
             spec_guesses: AtomicU64::new(0),
             through: None,
+            clocks: None,
         }
     }
 }
@@ -460,6 +467,7 @@ impl GpuDecoder {
             pass_s: secs(&s.pass_ns),
             mapped: s.mapped,
             landed: s.landed.load(Ordering::Relaxed),
+            clocks_held: s.clocks.is_some(),
         })
     }
 
