@@ -298,6 +298,11 @@ impl GpuDecoder {
                     tracing::info!("GPU backend: clocks held up by a CUDA context while streaming");
                     Some(hold)
                 }
+                // Worth a line only where the driver would lower the clock (NVIDIA's).
+                Err(why) if ctx.info().adapter.driver == "NVIDIA" => {
+                    tracing::info!("GPU backend: clocks left to the driver ({why}); the decode may run at its idle clock");
+                    None
+                }
                 Err(why) => {
                     tracing::debug!("GPU backend: clocks not held ({why})");
                     None
