@@ -11,8 +11,8 @@
 //! CUDA device at the adapter's PCI address, nothing happens. Measured on the H200
 //! (docs/performance.md, "The GPU's clock while streaming"): streamed decode +18 % and +24 % on
 //! average at 25 and 50 % budgets, resident decode unchanged. The price: the context's device
-//! memory (527 MiB on the H200) and the power of a GPU held at full clock while the model is loaded.
-//! `SMOE_GPU_HOLD_CLOCKS=0` turns it off.
+//! memory (527 MiB on the H200) and the power of a GPU held at full clock while the model is
+//! loaded. `SMOE_GPU_HOLD_CLOCKS=0` turns it off.
 
 use std::ffi::{c_int, c_void};
 use std::sync::OnceLock;
