@@ -148,6 +148,12 @@ pub struct ClockHold {
 }
 
 impl ClockHold {
+    /// Whether this process can load and initialize the CUDA driver library (once per process;
+    /// later calls repeat the first answer), or why not.
+    pub fn driver_loads() -> Result<(), String> {
+        Cuda::get().map(|_| ())
+    }
+
     /// Retains the CUDA primary context of the device behind `adapter`; `Err` says why not
     /// (not NVIDIA, no driver library, no matching device, turned off by
     /// `SMOE_GPU_HOLD_CLOCKS=0`). Never fatal: callers log the reason and go on.
