@@ -253,6 +253,26 @@ impl GpuDecoder {
             }
             _ => None,
         };
+        // The decode waits for reads with the GPU idle: keep its clock up meanwhile. Before the
+        // uploads: the context's VRAM (527 MiB on the H200) is then taken before wgpu allocates
+        // the weights and slots, so a card it leaves too small fails the load, not a request.
+        if let Some(st) = &mut streaming {
+            st.clocks = match ClockHold::acquire(&ctx.info().adapter) {
+                Ok(hold) => {
+                    tracing::info!("GPU backend: clocks held up by a CUDA context while streaming");
+                    Some(hold)
+                }
+                // Worth a line only where the driver would lower the clock (NVIDIA's).
+                Err(why) if ctx.info().adapter.driver == "NVIDIA" => {
+                    tracing::info!("GPU backend: clocks left to the driver ({why}); the decode may run at its idle clock");
+                    None
+                }
+                Err(why) => {
+                    tracing::debug!("GPU backend: clocks not held ({why})");
+                    None
+                }
+            };
+        }
         let weights = Weights::upload(
             ctx,
             vault,
@@ -292,22 +312,6 @@ impl GpuDecoder {
                 Err(_) => through::SPEC_DEPTH,
             };
             st.through = Some(Through::new(ctx, &cfg, &acts, st.max_piece, depth)?);
-            // The decode waits for reads with the GPU idle: keep its clock up meanwhile.
-            st.clocks = match ClockHold::acquire(&ctx.info().adapter) {
-                Ok(hold) => {
-                    tracing::info!("GPU backend: clocks held up by a CUDA context while streaming");
-                    Some(hold)
-                }
-                // Worth a line only where the driver would lower the clock (NVIDIA's).
-                Err(why) if ctx.info().adapter.driver == "NVIDIA" => {
-                    tracing::info!("GPU backend: clocks left to the driver ({why}); the decode may run at its idle clock");
-                    None
-                }
-                Err(why) => {
-                    tracing::debug!("GPU backend: clocks not held ({why})");
-                    None
-                }
-            };
         }
         let chain = match weights.embedding(cfg.tie_word_embeddings) {
             Some(e) => {
