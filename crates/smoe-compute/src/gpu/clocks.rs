@@ -154,16 +154,24 @@ impl ClockHold {
         Cuda::get().map(|_| ())
     }
 
-    /// Retains the CUDA primary context of the device behind `adapter`; `Err` says why not
-    /// (not NVIDIA, no driver library, no matching device, turned off by
-    /// `SMOE_GPU_HOLD_CLOCKS=0`). Never fatal: callers log the reason and go on.
-    pub fn acquire(adapter: &wgpu::AdapterInfo) -> Result<ClockHold, String> {
+    /// Whether `acquire` would try `adapter` at all (an NVIDIA GPU, not turned off by
+    /// `SMOE_GPU_HOLD_CLOCKS=0`), or why not. Where it would, a failed `acquire` is worth
+    /// telling the user: the clock will drop while the decode waits for reads.
+    pub fn applies(adapter: &wgpu::AdapterInfo) -> Result<(), String> {
         if std::env::var("SMOE_GPU_HOLD_CLOCKS").is_ok_and(|v| v == "0") {
             return Err("turned off (SMOE_GPU_HOLD_CLOCKS=0)".into());
         }
         if adapter.vendor != NVIDIA {
             return Err(format!("{} is not an NVIDIA GPU", adapter.name));
         }
+        Ok(())
+    }
+
+    /// Retains the CUDA primary context of the device behind `adapter`; `Err` says why not
+    /// (`applies`' reasons, no driver library, no matching device). Never fatal: callers log
+    /// the reason and go on.
+    pub fn acquire(adapter: &wgpu::AdapterInfo) -> Result<ClockHold, String> {
+        Self::applies(adapter)?;
         let at = parse_pci_bus_id(&adapter.device_pci_bus_id).ok_or_else(|| {
             format!(
                 "the adapter reports no PCI address ('{}')",

@@ -262,8 +262,8 @@ impl GpuDecoder {
                     tracing::info!("GPU backend: clocks held up by a CUDA context while streaming");
                     Some(hold)
                 }
-                // Worth a line only where the driver would lower the clock (NVIDIA's).
-                Err(why) if ctx.info().adapter.driver == "NVIDIA" => {
+                // Worth a line only where it was tried (an NVIDIA GPU).
+                Err(why) if ClockHold::applies(&ctx.info().adapter).is_ok() => {
                     tracing::info!("GPU backend: clocks left to the driver ({why}); the decode may run at its idle clock");
                     None
                 }
