@@ -93,7 +93,7 @@ fn info_names_the_adapter() {
 }
 
 /// `smoe bench kernels --json`: one row per (shape, type) with GB/s and the ratio to the copy
-/// kernel measured in the same run.
+/// kernel measured in the same run, and the cost of an empty dependent dispatch.
 #[test]
 fn bench_kernels_reports_ratios_to_copy() {
     if !have_gpu() {
@@ -103,6 +103,13 @@ fn bench_kernels_reports_ratios_to_copy() {
         "bench", "kernels", "--quick", "--iters", "2", "--json",
     ]));
     assert!(v["copy_gb_per_s"].as_f64().unwrap() > 0.0, "{v}");
+    // The dispatch floor: a chain of empty dispatches, one workgroup and many.
+    let floor = &v["dependent_dispatch_us"];
+    for key in ["one_workgroup", "many_workgroups"] {
+        let us = floor[key].as_f64().unwrap_or(-1.0);
+        assert!(us > 0.0 && us < 1e6, "{key}: {floor}");
+    }
+    assert_eq!(floor["workgroups"], 1024, "{floor}");
     let rows = v["rows"].as_array().unwrap();
     assert_eq!(
         rows.len(),

@@ -58,8 +58,8 @@ pub struct KernelArgs {
     /// Print one JSON object: device, copy GB/s and a row per (shape, type).
     #[arg(long)]
     json: bool,
-    /// q4 only, every launch shape (64/128/256 invocations × 1–32 rows) and decoding (float
-    /// bits, int8 dot products): for choosing the defaults on a new device.
+    /// q4 only, every launch shape (64/128/256 invocations × 1–32 rows) and decoding (f16
+    /// pairs, float bits, int8 dot products): for choosing the defaults on a new device.
     #[arg(long)]
     sweep: bool,
     /// Only the shapes whose name contains this (e.g. "down", "235B").
@@ -106,11 +106,12 @@ fn kernels(a: KernelArgs) -> Result<()> {
         );
     }
     let (mut rows, mut errors, mut copy, mut device) = (vec![], vec![], 0f64, String::new());
+    let mut floor = None;
     // One shape at a time, so partial results show even if a later shape fails.
     for shape in &shapes {
         let (dtypes, tunings) = if a.sweep {
             let mut t = vec![];
-            for q4 in [Q4Decode::FloatBits, Q4Decode::Int8Dot] {
+            for q4 in [Q4Decode::PairsF16, Q4Decode::FloatBits, Q4Decode::Int8Dot] {
                 for wg in [64, 128, 256] {
                     for rows in [1, 2, 4, 8, 16, 32] {
                         t.push(MatVecTuning {
@@ -128,7 +129,7 @@ fn kernels(a: KernelArgs) -> Result<()> {
                     t.push(MatVecTuning {
                         wg: 256,
                         rows,
-                        q4: Q4Decode::FloatBits,
+                        q4: Q4Decode::PairsF16,
                         items,
                     });
                 }
@@ -156,6 +157,7 @@ fn kernels(a: KernelArgs) -> Result<()> {
             println!("{report}");
         }
         copy = copy.max(report.copy_gbps);
+        floor = floor.or(report.floor);
         device = report.device.clone();
         errors.extend(report.errors.iter().cloned());
         rows.extend(report.rows.iter().map(|r| {
@@ -168,7 +170,10 @@ fn kernels(a: KernelArgs) -> Result<()> {
     if a.json {
         println!(
             "{}",
-            serde_json::json!({"device": device, "copy_gb_per_s": copy, "rows": rows, "errors": errors})
+            serde_json::json!({"device": device, "copy_gb_per_s": copy,
+                "dependent_dispatch_us": floor.map(|f| serde_json::json!({"one_workgroup": f.one_us,
+                    "workgroups": f.wide_groups, "many_workgroups": f.wide_us})),
+                "rows": rows, "errors": errors})
         );
     }
     Ok(())

@@ -267,6 +267,8 @@ pub struct BenchReport {
     pub timer: &'static str,
     /// Copy kernel, bytes read + bytes written per second.
     pub copy_gbps: f64,
+    /// What a dependent dispatch costs with nothing to do (where measured).
+    pub floor: Option<DispatchFloor>,
     pub rows: Vec<BenchRow>,
     /// Measurements that could not run (e.g. a shape too large for this device).
     pub errors: Vec<String>,
@@ -276,6 +278,13 @@ impl fmt::Display for BenchReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "device: {} (timer: {})", self.device, self.timer)?;
         writeln!(f, "copy: {:.0} GB/s (read + write)", self.copy_gbps)?;
+        if let Some(fl) = &self.floor {
+            writeln!(
+                f,
+                "dependent dispatch, nothing to do: {:.2} µs (1 workgroup), {:.2} µs ({} workgroups)",
+                fl.one_us, fl.wide_us, fl.wide_groups
+            )?;
+        }
         if self.rows.iter().any(|r| r.tokens == 0) {
             writeln!(
                 f,
@@ -385,6 +394,7 @@ pub fn bench_kernels(
 ) -> Result<BenchReport, GpuError> {
     let timer = Timer::new(ctx);
     let copy_gbps = bench_copy(ctx, &timer, iters)?;
+    let floor = bench_dispatch_floor(ctx, &timer, iters)?;
     let mut rows = vec![];
     let mut errors = vec![];
     for shape in shapes {
@@ -452,13 +462,13 @@ pub fn bench_kernels(
             }
         }
     }
-    Ok(report(ctx, &timer, copy_gbps, rows, errors))
+    Ok(report(ctx, &timer, (copy_gbps, Some(floor)), rows, errors))
 }
 
 fn report(
     ctx: &GpuContext,
     timer: &Timer,
-    copy_gbps: f64,
+    (copy_gbps, floor): (f64, Option<DispatchFloor>),
     rows: Vec<BenchRow>,
     errors: Vec<String>,
 ) -> BenchReport {
@@ -473,6 +483,7 @@ fn report(
         device,
         timer: timer_name,
         copy_gbps,
+        floor,
         rows,
         errors,
     }
@@ -531,7 +542,7 @@ pub fn bench_gemm_tunings(
             }
         }
     }
-    Ok(report(ctx, &timer, copy_gbps, rows, errors))
+    Ok(report(ctx, &timer, (copy_gbps, None), rows, errors))
 }
 
 #[repr(C)]
@@ -570,6 +581,55 @@ fn bench_copy(ctx: &GpuContext, timer: &Timer, iters: usize) -> Result<f64, GpuE
     )?;
     let secs = timer.time(&|pass| (0..iters).for_each(|_| d.record(pass)))?;
     Ok(2.0 * bytes as f64 * iters as f64 / secs / 1e9)
+}
+
+/// The cost of a dispatch in a chain of dependent ones when it has no work: what every step of
+/// a decode pays at least, whatever its kernel does (a Qwen3-MoE decode layer is 6 dependent
+/// dispatches).
+#[derive(Clone, Copy, Debug)]
+pub struct DispatchFloor {
+    /// µs per dispatch of one workgroup.
+    pub one_us: f64,
+    /// µs per dispatch of `wide_groups` workgroups (of 256 invocations) that find nothing to do.
+    pub wide_us: f64,
+    pub wide_groups: usize,
+}
+
+/// `DispatchFloor`: a chain of `iters` copies of 4 KiB, each reading what the one before wrote
+/// (buffers a → b, then b → a, ...), so that every two are ordered by a barrier; timed as one
+/// pass like every other row.
+fn bench_dispatch_floor(
+    ctx: &GpuContext,
+    timer: &Timer,
+    iters: usize,
+) -> Result<DispatchFloor, GpuError> {
+    const WIDE: usize = 1024;
+    let n = 256; // vec4s: one per invocation of the first workgroup
+    let a = ctx.storage_buffer("floor a", 16 * n as u64);
+    let b = ctx.storage_buffer("floor b", 16 * n as u64);
+    let p = CopyParams {
+        n: n as u32,
+        _pad: [0; 3],
+    };
+    let copy = |src: &wgpu::Buffer, dst: &wgpu::Buffer, groups: usize| {
+        let bind = [Binding::whole(src), Binding::whole(dst)];
+        Dispatch::new(ctx, "copy", &[], &p, &bind, [groups, 1, 1])
+    };
+    let mut us = [0.0; 2];
+    for (u, groups) in us.iter_mut().zip([1, WIDE]) {
+        let (ab, ba) = (copy(&a, &b, groups)?, copy(&b, &a, groups)?);
+        let secs = timer.time(&|pass| {
+            for i in 0..iters {
+                [&ab, &ba][i % 2].record(pass);
+            }
+        })?;
+        *u = secs / iters as f64 * 1e6;
+    }
+    Ok(DispatchFloor {
+        one_us: us[0],
+        wide_us: us[1],
+        wide_groups: WIDE,
+    })
 }
 
 /// (weight bytes per call, seconds per call).
