@@ -55,11 +55,15 @@ fn main() {
         qwen3_shapes()
     };
     let base = MatVecTuning::default();
-    let variants: Vec<MatVecTuning> =
-        [Q4Decode::FloatBits, Q4Decode::IntToFloat, Q4Decode::Int8Dot]
-            .into_iter()
-            .map(|q4| MatVecTuning { q4, ..base })
-            .collect();
+    let variants: Vec<MatVecTuning> = [
+        Q4Decode::PairsF16,
+        Q4Decode::FloatBits,
+        Q4Decode::IntToFloat,
+        Q4Decode::Int8Dot,
+    ]
+    .into_iter()
+    .map(|q4| MatVecTuning { q4, ..base })
+    .collect();
     // One shape at a time, so that partial results show even if a later shape fails.
     for shape in &shapes {
         let report =
@@ -110,7 +114,7 @@ fn main() {
             (256, 32),
             (256, 64),
         ] {
-            for q4 in [Q4Decode::FloatBits, Q4Decode::Int8Dot] {
+            for q4 in [Q4Decode::PairsF16, Q4Decode::FloatBits, Q4Decode::Int8Dot] {
                 tunings.push(MatVecTuning {
                     wg,
                     rows,

@@ -1,7 +1,8 @@
 //! The WGSL sources, compiled into the binary. One file per kernel in `kernels/`, each with a
 //! `main` entry point; shared fragments (`common.wgsl`: workgroup reductions;
 //! `gemm_common.wgsl`: the GEMMs' parameters, bindings, loads and weight decoding; `topk.wgsl`:
-//! the router's softmax top-k; `rope.wgsl`: RoPE's rotation;
+//! the router's softmax top-k; `rope.wgsl`: RoPE's rotation; `q4_pair_f16.wgsl` /
+//! `q4_pair_f32.wgsl`: the matvec's q4 code pairs, with and without f16 arithmetic;
 //! `attn_merge.wgsl`: decode attention's merge of its splits) are prepended
 //! to the kernels that use them, since WGSL has no includes.
 
@@ -19,6 +20,14 @@ const GEMM_COMMON: Fragment = (
 const TOPK: Fragment = ("topk", include_str!("../../kernels/topk.wgsl"));
 const ROPE: Fragment = ("rope", include_str!("../../kernels/rope.wgsl"));
 const MERGE: Fragment = ("attn_merge", include_str!("../../kernels/attn_merge.wgsl"));
+const Q4_PAIR_F16: Fragment = (
+    "q4_pair_f16",
+    include_str!("../../kernels/q4_pair_f16.wgsl"),
+);
+const Q4_PAIR_F32: Fragment = (
+    "q4_pair_f32",
+    include_str!("../../kernels/q4_pair_f32.wgsl"),
+);
 
 /// Where a developer's edited kernels are read from instead of the compiled-in ones, to try a
 /// kernel variant without rebuilding (`bench kernels` on a device without a toolchain): every
@@ -41,7 +50,17 @@ fn text(dir: Option<&Path>, name: &str, embedded: &'static str) -> Cow<'static, 
 
 /// (name, source, fragments prepended to it)
 const KERNELS: &[(&str, &str, &[Fragment])] = &[
-    ("matvec", include_str!("../../kernels/matvec.wgsl"), &[TOPK]),
+    (
+        "matvec",
+        include_str!("../../kernels/matvec.wgsl"),
+        &[Q4_PAIR_F32, TOPK],
+    ),
+    // The same kernel with f16 arithmetic where it helps (the device must have SHADER_F16).
+    (
+        "matvec_f16",
+        include_str!("../../kernels/matvec.wgsl"),
+        &[Q4_PAIR_F16, TOPK],
+    ),
     (
         "matmul",
         include_str!("../../kernels/matmul.wgsl"),

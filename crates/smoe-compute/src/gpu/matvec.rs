@@ -156,6 +156,13 @@ pub enum Q4Decode {
     /// Inputs quantized to int8 per 64 in workgroup memory, 4 products per `dot4I8Packed`.
     /// Not exact w.r.t. the f32 CPU twin (NMSE ~1e-5): opt-in.
     Int8Dot,
+    /// Two nibbles at a time placed under f16's exponent bits (1024 + c each), the offset
+    /// taken off both in one packed f16 subtraction, widened to f32: the same values as the
+    /// others with fewer operations per weight (the default; `PairsF32` where the device has no
+    /// SHADER_F16).
+    PairsF16,
+    /// `PairsF16` with the subtraction in f32 (for devices without f16 arithmetic).
+    PairsF32,
 }
 
 impl Default for MatVecTuning {
@@ -163,7 +170,7 @@ impl Default for MatVecTuning {
         MatVecTuning {
             wg: 256,
             rows: 16,
-            q4: Q4Decode::FloatBits,
+            q4: Q4Decode::PairsF16,
             items: 0,
         }
     }
@@ -275,6 +282,7 @@ fn dtype_code(d: DType, t: MatVecTuning) -> Result<f64, GpuError> {
             Q4Decode::IntToFloat => 2.0,
             Q4Decode::FloatBits => 4.0,
             Q4Decode::Int8Dot => 5.0,
+            Q4Decode::PairsF16 | Q4Decode::PairsF32 => 6.0,
         },
         DType::Q2 => 3.0,
         DType::F32 => {
@@ -495,8 +503,13 @@ impl MatVec {
         let ss = ctx.info().adapter.subgroup_max_size.max(1) as usize;
         let gated = d.up_offset.is_some();
         let (items_u, steps) = batch_loads(w.dtype, tile, tune, nt, gated, f.reduce.is_some(), ss);
+        let f16 = ctx.info().features.contains(wgpu::Features::SHADER_F16);
+        let kernel = match tune.q4 {
+            Q4Decode::PairsF16 if f16 && w.dtype == DType::Q4 => "matvec_f16",
+            _ => "matvec",
+        };
         let pipeline = ctx.pipeline(
-            "matvec",
+            kernel,
             &[
                 ("DTYPE", dtype_code(w.dtype, tune)?),
                 ("NT", nt as f64),

@@ -137,7 +137,8 @@ fn matvec_wide_rows_and_many_tokens() {
 
 #[test]
 fn matvec_tunings_and_q4_decoders_agree() {
-    // Other launch shapes (subgroups sharing rows differently) and the plain q4 decoder.
+    // Other launch shapes (subgroups sharing rows differently) and the other q4 decoders
+    // (the default is PairsF16; PairsF32 is what a device without f16 arithmetic runs).
     let Some(ctx) = gpu() else { return };
     // `items`: rows a subgroup loads together (0: the default for the type).
     for (wg, rows, q4, items) in [
@@ -146,6 +147,9 @@ fn matvec_tunings_and_q4_decoders_agree() {
         (128, 16, Q4Decode::IntToFloat, 4),
         (256, 64, Q4Decode::IntToFloat, 8),
         (256, 16, Q4Decode::FloatBits, 3),
+        (256, 16, Q4Decode::PairsF32, 0),
+        (64, 8, Q4Decode::PairsF32, 2),
+        (128, 16, Q4Decode::PairsF16, 4),
     ] {
         let tune = MatVecTuning {
             wg,
