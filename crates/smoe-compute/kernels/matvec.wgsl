@@ -268,12 +268,13 @@ fn chunk(q: vec4<u32>, pw: u32, c: u32, k: u32, ta: u32, tb: u32, acc: ptr<funct
         }
         case 6u: {
             // As case 2, two codes at a time: a 16-bit half of (q >> s) & 0x000f000f, with
-            // f16's exponent bits for 1024 set above it, is the f16 1024 + c, and `q4_pair`
-            // (q4_pair_f16.wgsl or q4_pair_f32.wgsl, prepended) takes the offset 1032 off
+            // f16's exponent bits for 1024 set above it, is the f16 1024 + c, and `code_pair`
+            // (code_pair_f16.wgsl or code_pair_f32.wgsl, prepended) takes the offset 1032 off
             // both halves exactly, leaving c − 8 as f32. About 3 operations per weight where
             // case 4 takes 4 and the Σx correction: decode matvecs are bound by these
-            // operations, not by memory (H200, q4: 30B experts gate_up x8 12.3 → 11.3 µs,
-            // 235B gate_up x8 108.8 → 87.8 µs, decode 306.6 → 317.4 tok/s).
+            // operations, not by memory (H200, q4, same run: 30B experts gate_up x8 12.3 →
+            // 11.3 µs, 235B gate_up x8 108.8 → 87.8 µs; the engine's decode 306.6 → 317.4
+            // tok/s, 322 in a later run without the Σx staging case 4 needs).
             let d = unpack2x16float(pw)[(c / 2u) % 2u];
             let m = vec4<u32>(0x000f000fu);
             let e = vec4<u32>(0x64006400u);
@@ -285,10 +286,10 @@ fn chunk(q: vec4<u32>, pw: u32, c: u32, k: u32, ta: u32, tb: u32, acc: ptr<funct
             var l: array<vec4<f32>, 4>;
             var h: array<vec4<f32>, 4>;
             for (var j = 0u; j < 4u; j++) {
-                let a = q4_pair(lo02[j]);
-                let b = q4_pair(lo13[j]);
-                let ha = q4_pair(hi02[j]);
-                let hb = q4_pair(hi13[j]);
+                let a = code_pair(lo02[j], 1032.0);
+                let b = code_pair(lo13[j], 1032.0);
+                let ha = code_pair(hi02[j], 1032.0);
+                let hb = code_pair(hi13[j], 1032.0);
                 l[j] = vec4<f32>(a.x, b.x, a.y, b.y);
                 h[j] = vec4<f32>(ha.x, hb.x, ha.y, hb.y);
             }

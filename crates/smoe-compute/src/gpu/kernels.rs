@@ -1,8 +1,8 @@
 //! The WGSL sources, compiled into the binary. One file per kernel in `kernels/`, each with a
 //! `main` entry point; shared fragments (`common.wgsl`: workgroup reductions;
 //! `gemm_common.wgsl`: the GEMMs' parameters, bindings, loads and weight decoding; `topk.wgsl`:
-//! the router's softmax top-k; `rope.wgsl`: RoPE's rotation; `q4_pair_f16.wgsl` /
-//! `q4_pair_f32.wgsl`: the matvec's q4 code pairs, with and without f16 arithmetic;
+//! the router's softmax top-k; `rope.wgsl`: RoPE's rotation; `code_pair_f16.wgsl` /
+//! `code_pair_f32.wgsl`: the matvec's q4 code pairs, with and without f16 arithmetic;
 //! `attn_merge.wgsl`: decode attention's merge of its splits) are prepended
 //! to the kernels that use them, since WGSL has no includes.
 
@@ -20,13 +20,13 @@ const GEMM_COMMON: Fragment = (
 const TOPK: Fragment = ("topk", include_str!("../../kernels/topk.wgsl"));
 const ROPE: Fragment = ("rope", include_str!("../../kernels/rope.wgsl"));
 const MERGE: Fragment = ("attn_merge", include_str!("../../kernels/attn_merge.wgsl"));
-const Q4_PAIR_F16: Fragment = (
-    "q4_pair_f16",
-    include_str!("../../kernels/q4_pair_f16.wgsl"),
+const CODE_PAIR_F16: Fragment = (
+    "code_pair_f16",
+    include_str!("../../kernels/code_pair_f16.wgsl"),
 );
-const Q4_PAIR_F32: Fragment = (
-    "q4_pair_f32",
-    include_str!("../../kernels/q4_pair_f32.wgsl"),
+const CODE_PAIR_F32: Fragment = (
+    "code_pair_f32",
+    include_str!("../../kernels/code_pair_f32.wgsl"),
 );
 
 /// Where a developer's edited kernels are read from instead of the compiled-in ones, to try a
@@ -53,13 +53,13 @@ const KERNELS: &[(&str, &str, &[Fragment])] = &[
     (
         "matvec",
         include_str!("../../kernels/matvec.wgsl"),
-        &[Q4_PAIR_F32, TOPK],
+        &[CODE_PAIR_F32, TOPK],
     ),
     // The same kernel with f16 arithmetic where it helps (the device must have SHADER_F16).
     (
         "matvec_f16",
         include_str!("../../kernels/matvec.wgsl"),
-        &[Q4_PAIR_F16, TOPK],
+        &[CODE_PAIR_F16, TOPK],
     ),
     (
         "matmul",

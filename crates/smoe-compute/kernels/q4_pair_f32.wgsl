@@ -1,5 +1,0 @@
-// Prepended to matvec.wgsl (kernel `matvec`, for devices without SHADER_F16): q4_pair_f16.wgsl's
-// values with the subtraction in f32 (exact as well).
-fn q4_pair(w: u32) -> vec2<f32> {
-    return unpack2x16float(w) - vec2<f32>(1032.0);
-}
