@@ -13,8 +13,9 @@ pub enum Bench {
     /// Prefill and decode tok/s, expert-cache hit rate, read GB/s, and the I/O and bandwidth
     /// bounds, all measured in this run.
     Decode(DecodeArgs),
-    /// GB/s of each GPU matvec kernel at Qwen3-MoE shapes beside a copy kernel's GB/s, and
-    /// TFLOP/s of the prefill kernels (token-batched GEMM, prefill attention) at 512 tokens.
+    /// GB/s of each GPU matvec kernel at Qwen3-MoE shapes beside a copy kernel's GB/s, TFLOP/s
+    /// of the prefill kernels (token-batched GEMM, prefill attention) at 512 tokens, and what a
+    /// dependent dispatch with nothing to do costs (the floor of every decode step).
     Kernels(KernelArgs),
     /// The server under load: total tok/s and p50/p99 latency at several numbers of clients.
     Serve(crate::cmd::bench_serve::Args),
