@@ -77,7 +77,7 @@ pub fn run(b: Bench) -> Result<()> {
 }
 
 fn kernels(a: KernelArgs) -> Result<()> {
-    use smoe_compute::gpu::bench::{bench_kernels, qwen3_shapes, BenchShape};
+    use smoe_compute::gpu::bench::{bench_kernels, dispatch_floor, qwen3_shapes, BenchShape};
     use smoe_compute::gpu::{GpuContext, MatVecTuning, Q4Decode};
     use smoe_vault::DType;
     let ctx = GpuContext::new().map_err(|e| anyhow::anyhow!("bench kernels needs a GPU: {e}"))?;
@@ -106,8 +106,12 @@ fn kernels(a: KernelArgs) -> Result<()> {
             a.shape.unwrap_or_default()
         );
     }
+    // Once, before the shapes: what every decode step pays at least.
+    let floor = dispatch_floor(&ctx, a.iters)?;
+    if !a.json {
+        println!("{floor}\n");
+    }
     let (mut rows, mut errors, mut copy, mut device) = (vec![], vec![], 0f64, String::new());
-    let mut floor = None;
     // One shape at a time, so partial results show even if a later shape fails.
     for shape in &shapes {
         let (dtypes, tunings) = if a.sweep {
@@ -158,7 +162,6 @@ fn kernels(a: KernelArgs) -> Result<()> {
             println!("{report}");
         }
         copy = copy.max(report.copy_gbps);
-        floor = floor.or(report.floor);
         device = report.device.clone();
         errors.extend(report.errors.iter().cloned());
         rows.extend(report.rows.iter().map(|r| {
@@ -172,8 +175,8 @@ fn kernels(a: KernelArgs) -> Result<()> {
         println!(
             "{}",
             serde_json::json!({"device": device, "copy_gb_per_s": copy,
-                "dependent_dispatch_us": floor.map(|f| serde_json::json!({"one_workgroup": f.one_us,
-                    "workgroups": f.wide_groups, "many_workgroups": f.wide_us})),
+                "dependent_dispatch_us": {"one_workgroup": floor.one_us,
+                    "workgroups": floor.wide_groups, "many_workgroups": floor.wide_us},
                 "rows": rows, "errors": errors})
         );
     }

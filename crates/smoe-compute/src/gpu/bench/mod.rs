@@ -267,8 +267,6 @@ pub struct BenchReport {
     pub timer: &'static str,
     /// Copy kernel, bytes read + bytes written per second.
     pub copy_gbps: f64,
-    /// What a dependent dispatch costs with nothing to do (where measured).
-    pub floor: Option<DispatchFloor>,
     pub rows: Vec<BenchRow>,
     /// Measurements that could not run (e.g. a shape too large for this device).
     pub errors: Vec<String>,
@@ -278,13 +276,6 @@ impl fmt::Display for BenchReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "device: {} (timer: {})", self.device, self.timer)?;
         writeln!(f, "copy: {:.0} GB/s (read + write)", self.copy_gbps)?;
-        if let Some(fl) = &self.floor {
-            writeln!(
-                f,
-                "dependent dispatch, nothing to do: {:.2} µs (1 workgroup), {:.2} µs ({} workgroups)",
-                fl.one_us, fl.wide_us, fl.wide_groups
-            )?;
-        }
         if self.rows.iter().any(|r| r.tokens == 0) {
             writeln!(
                 f,
@@ -394,7 +385,6 @@ pub fn bench_kernels(
 ) -> Result<BenchReport, GpuError> {
     let timer = Timer::new(ctx);
     let copy_gbps = bench_copy(ctx, &timer, iters)?;
-    let floor = bench_dispatch_floor(ctx, &timer, iters)?;
     let mut rows = vec![];
     let mut errors = vec![];
     for shape in shapes {
@@ -462,13 +452,13 @@ pub fn bench_kernels(
             }
         }
     }
-    Ok(report(ctx, &timer, (copy_gbps, Some(floor)), rows, errors))
+    Ok(report(ctx, &timer, copy_gbps, rows, errors))
 }
 
 fn report(
     ctx: &GpuContext,
     timer: &Timer,
-    (copy_gbps, floor): (f64, Option<DispatchFloor>),
+    copy_gbps: f64,
     rows: Vec<BenchRow>,
     errors: Vec<String>,
 ) -> BenchReport {
@@ -483,7 +473,6 @@ fn report(
         device,
         timer: timer_name,
         copy_gbps,
-        floor,
         rows,
         errors,
     }
@@ -542,7 +531,7 @@ pub fn bench_gemm_tunings(
             }
         }
     }
-    Ok(report(ctx, &timer, (copy_gbps, None), rows, errors))
+    Ok(report(ctx, &timer, copy_gbps, rows, errors))
 }
 
 #[repr(C)]
@@ -595,14 +584,21 @@ pub struct DispatchFloor {
     pub wide_groups: usize,
 }
 
-/// `DispatchFloor`: a chain of `iters` copies of 4 KiB, each reading what the one before wrote
-/// (buffers a → b, then b → a, ...), so that every two are ordered by a barrier; timed as one
-/// pass like every other row.
-fn bench_dispatch_floor(
-    ctx: &GpuContext,
-    timer: &Timer,
-    iters: usize,
-) -> Result<DispatchFloor, GpuError> {
+impl fmt::Display for DispatchFloor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "dependent dispatch, nothing to do: {:.2} µs (1 workgroup), {:.2} µs ({} workgroups)",
+            self.one_us, self.wide_us, self.wide_groups
+        )
+    }
+}
+
+/// `DispatchFloor` on this device: a chain of `iters` copies of 4 KiB, each reading what the
+/// one before wrote (buffers a → b, then b → a, ...), so that every two are ordered by a
+/// barrier; timed as one pass like every `bench_kernels` row.
+pub fn dispatch_floor(ctx: &GpuContext, iters: usize) -> Result<DispatchFloor, GpuError> {
+    let timer = Timer::new(ctx);
     const WIDE: usize = 1024;
     let n = 256; // vec4s: one per invocation of the first workgroup
     let a = ctx.storage_buffer("floor a", 16 * n as u64);
