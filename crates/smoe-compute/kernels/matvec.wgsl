@@ -142,7 +142,7 @@ var<workgroup> tk_lg: array<f32, TAIL_E>;
 var<workgroup> tk_id: array<u32, TAIL_K>;
 var<workgroup> tk_w: array<f32, TAIL_K>;
 var<workgroup> tk_red: array<f32, TK_RED_LEN>;
-override TK_RED_LEN: u32 = select(1u, 64u, TAIL == 1u);
+override TK_RED_LEN: u32 = select(1u, 128u, TAIL == 1u);
 var<workgroup> last: u32;
 
 // Where vec4 i of chunk k sits in the tile's natural order (vec4 units).

@@ -29,7 +29,7 @@ override WG: u32 = 256u;
 var<workgroup> tk_lg: array<f32, MAX_E>;
 var<workgroup> tk_id: array<u32, MAX_K>;
 var<workgroup> tk_w: array<f32, MAX_K>;
-var<workgroup> tk_red: array<f32, 64>;
+var<workgroup> tk_red: array<f32, 128>;
 
 @compute @workgroup_size(WG)
 fn main(

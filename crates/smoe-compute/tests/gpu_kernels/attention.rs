@@ -149,6 +149,9 @@ fn decode_attention_cases(ctx: &GpuContext) {
         // One split (capacity ≤ 512: the direct path, no combine) over several tiles.
         (8, 2, 64, 2, 300, 400, None),
         (8, 2, 128, 1, 450, 512, Some(200)),
+        // Short contexts in caches of several splits: some splits have no positions.
+        (8, 2, 128, 1, 20, 2000, None),
+        (8, 2, 128, 2, 200, 3000, None),
         // Head widths that are not a multiple of 32 (the K dot's 8-vec4 steps leave a rest).
         (4, 2, 36, 2, 20, 40, None),
         (8, 4, 80, 1, 100, 200, None),
@@ -230,17 +233,21 @@ fn decode_attention_with_rope_matches_cpu() {
 }
 
 fn decode_attention_rope_cases(ctx: &GpuContext) {
-    // (heads, kv heads, head_dim, pos0, capacity, window, norm): the first position, one split
-    // and several, GQA 1–8, a window, no QK-norm, a head width that is not a multiple of 32.
-    for (nh, nkv, hd, pos0, cap, window, norm) in [
-        (4, 2, 64, 0, 16, None, true),
-        (32, 4, 128, 699, 1500, None, true),
-        (8, 8, 128, 300, 400, None, true),
-        (8, 2, 64, 1000, 1100, Some(128), false),
-        (4, 2, 36, 20, 40, None, true),
-        (16, 4, 128, 40_000, 40_010, Some(4096), true),
+    // (heads, kv heads, head_dim, pos0, capacity, window, norm, rotated dims): the first
+    // position, one split and several, GQA 1–8, a window, no QK-norm, a head width that is not a
+    // multiple of 32, partial rotary.
+    for (nh, nkv, hd, pos0, cap, window, norm, rot) in [
+        (4, 2, 64, 0, 16, None, true, 64),
+        (32, 4, 128, 699, 1500, None, true, 128),
+        (32, 4, 128, 63, 4096, None, true, 128),
+        (8, 8, 128, 300, 400, None, true, 32),
+        (8, 2, 64, 1000, 1100, Some(128), false, 64),
+        (4, 2, 36, 20, 40, None, true, 36),
+        (4, 2, 64, 20, 40, None, false, 16),
+        (16, 4, 128, 40_000, 40_010, Some(4096), true, 128),
     ] {
-        let what = format!("attention+rope {nh}/{nkv}x{hd} pos0 {pos0} window {window:?}");
+        let what =
+            format!("attention+rope {nh}/{nkv}x{hd} (rot {rot}) pos0 {pos0} window {window:?}");
         let (qw, kw) = (nh * hd, nkv * hd);
         let seed = (nh * 13 + pos0) as u64;
         let (q, k, v) = (
@@ -249,7 +256,7 @@ fn decode_attention_rope_cases(ctx: &GpuContext) {
             rand_vec(kw, seed + 2, 2.0),
         );
         let (qn, kn) = (rand_vec(hd, seed + 3, 1.5), rand_vec(hd, seed + 4, 1.5));
-        let inv = inv_freq(1e6, hd);
+        let inv = inv_freq(1e6, rot);
         let rscale = 1.05;
         let (mut qc, mut kc) = (q.clone(), k.clone());
         if norm {
@@ -257,8 +264,10 @@ fn decode_attention_rope_cases(ctx: &GpuContext) {
             ops::rms_norm_inplace(&mut kc, &kn, 1e-6);
         }
         let (c, sn) = cos_sin(&inv, pos0, rscale);
-        ops::rope_inplace(&mut qc, hd, &c, &sn);
-        ops::rope_inplace(&mut kc, hd, &c, &sn);
+        // Rotate-half within each head's first `rot` dims; the rest only normalized.
+        for head in qc.chunks_exact_mut(hd).chain(kc.chunks_exact_mut(hd)) {
+            ops::rope_inplace(&mut head[..rot], rot, &c, &sn);
+        }
         // Earlier positions random, the current one appended, later ones poisoned.
         let mut kcache = rand_vec(cap * kw, seed + 5, 1.0);
         let mut vcache = rand_vec(cap * kw, seed + 6, 1.0);
@@ -309,7 +318,7 @@ fn decode_attention_rope_cases(ctx: &GpuContext) {
             v: BufRef::at(&qkv, 4 * (qw + kw) as u64),
             norms: norm.then(|| (BufRef::new(&norms), BufRef::at(&norms, 4 * hd as u64))),
             inv_freq: BufRef::new(&invb),
-            rot_dim: hd,
+            rot_dim: rot,
             rope_scale: rscale,
             eps: 1e-6,
         };

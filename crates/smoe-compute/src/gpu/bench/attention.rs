@@ -5,7 +5,10 @@
 
 use super::timer::Timer;
 use super::{AttnBench, BenchRow, BenchShape};
-use crate::gpu::attention::{AttnDesc, DecodeAttention};
+
+/// Cache bytes a decode attention row rotates over: twice an H200's L2.
+const DECODE_ROTATE_BYTES: u64 = 100 << 20;
+use crate::gpu::attention::{AttnDesc, DecodeAttention, FusedRope};
 use crate::gpu::attn_prefill::{PrefillAttention, PrefillAttnTuning};
 use crate::gpu::buffers::BufRef;
 use crate::gpu::context::{GpuContext, GpuError};
@@ -34,7 +37,10 @@ pub(super) fn bench_attention(
     copy_gbps: f64,
 ) -> (Vec<BenchRow>, Vec<String>) {
     let (nt, hd) = (shape.tokens, a.head_dim);
-    let cap = a.pos0 + nt;
+    if a.rope {
+        return bench_decode(ctx, timer, shape, a, iters, copy_gbps);
+    }
+    let cap = a.capacity;
     let kvw = a.n_kv_heads * hd;
     let q = ctx.upload_f32("bench q", &filler(nt * a.n_heads * hd, 1));
     let kc = ctx.upload_f32("bench k cache", &filler(cap * kvw, 2));
@@ -95,4 +101,99 @@ pub(super) fn bench_attention(
         }
     }
     (rows, errors)
+}
+
+/// One decoded token with RoPE fused in, as the engine decodes: over as many copies of the
+/// caches as keep them out of the GPU's L2 between calls (a layer's cache was last read a whole
+/// token earlier), q, k and v as fresh as the qkv projection leaves them. The copies are
+/// consecutive windows of one buffer, each starting where the previous one's visible positions
+/// end (the positions past them are never read, and the one written is the last visible).
+fn bench_decode(
+    ctx: &GpuContext,
+    timer: &Timer,
+    shape: &BenchShape,
+    a: AttnBench,
+    iters: usize,
+    copy_gbps: f64,
+) -> (Vec<BenchRow>, Vec<String>) {
+    let hd = a.head_dim;
+    let (cap, kvw) = (a.capacity, a.n_kv_heads * hd);
+    let visible = a.pos0 + 1;
+    let q = ctx.upload_f32("bench q", &filler(a.n_heads * hd, 1));
+    let (k, v) = (
+        ctx.upload_f32("bench raw k", &filler(kvw, 4)),
+        ctx.upload_f32("bench raw v", &filler(kvw, 5)),
+    );
+    let norm = ctx.upload_f32("bench qk norm", &vec![1.0f32; hd]);
+    let inv: Vec<f32> = (0..hd / 2)
+        .map(|i| 1e6f32.powf(-2.0 * i as f32 / hd as f32))
+        .collect();
+    let inv = ctx.upload_f32("bench inv_freq", &inv);
+    let out = ctx.storage_buffer("bench attention out", 4 * (a.n_heads * hd) as u64);
+    let step = ctx.step_buffer();
+    ctx.write_step(&step, a.pos0 as u32);
+    let rope = FusedRope {
+        k: BufRef::new(&k),
+        v: BufRef::new(&v),
+        norms: Some((BufRef::new(&norm), BufRef::new(&norm))),
+        inv_freq: BufRef::new(&inv),
+        rot_dim: hd,
+        rope_scale: 1.0,
+        eps: 1e-6,
+    };
+    // The visible cache bytes, read once per call.
+    let bytes = 8 * (visible * kvw) as u64;
+    let copies = (DECODE_ROTATE_BYTES / bytes).clamp(2, 256) as usize;
+    let stride = (bytes / 2).next_multiple_of(256);
+    let len = (copies as u64 * stride / 4) as usize + cap * kvw;
+    let kc = ctx.upload_f32("bench k caches", &filler(len, 2));
+    let vc = ctx.upload_f32("bench v caches", &filler(len, 3));
+    let what = |e: GpuError| vec![format!("{} attn_decode rope: {e}", shape.name)];
+    let mut kernels = vec![];
+    let mut keep = vec![];
+    for c in 0..copies as u64 {
+        let desc = AttnDesc {
+            q: BufRef::new(&q),
+            k_cache: BufRef::at(&kc, c * stride),
+            v_cache: BufRef::at(&vc, c * stride),
+            out: BufRef::new(&out),
+            step: &step,
+            n_heads: a.n_heads,
+            n_kv_heads: a.n_kv_heads,
+            head_dim: hd,
+            n_tokens: 1,
+            capacity: cap,
+            scale: 1.0 / (hd as f32).sqrt(),
+            window: a.window,
+        };
+        let scratch = ctx.storage_buffer(
+            "bench attention partials",
+            DecodeAttention::scratch_bytes(&desc).max(16),
+        );
+        match DecodeAttention::with_rope(ctx, &desc, &scratch, Some(&rope)) {
+            Ok(d) => kernels.push(d),
+            Err(e) => return (vec![], what(e)),
+        }
+        keep.push(scratch);
+    }
+    let n = iters.max(copies);
+    match timer.time(&|p| (0..n).for_each(|i| kernels[i % copies].record(p))) {
+        Ok(secs) => {
+            let secs = secs / n as f64;
+            let row = BenchRow {
+                tokens: 1,
+                gflops: shape.flops() as f64 / secs / 1e9,
+                ..BenchRow::measured(
+                    shape,
+                    DType::F32,
+                    "attn_decode rope",
+                    bytes,
+                    secs,
+                    copy_gbps,
+                )
+            };
+            (vec![row], vec![])
+        }
+        Err(e) => (vec![], what(e)),
+    }
 }

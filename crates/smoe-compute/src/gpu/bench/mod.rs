@@ -17,7 +17,9 @@ use super::attn_prefill::PrefillAttnTuning;
 use super::buffers::{Binding, BufRef};
 use super::context::{GpuContext, GpuError};
 use super::matmul::MatMulTuning;
-use super::matvec::{Fuse, Grouped, MatVec, MatVecDesc, MatVecTuning, SumTail, WeightRef};
+use super::matvec::{
+    Fuse, Grouped, MatVec, MatVecDesc, MatVecTuning, RouteTail, SumTail, WeightRef,
+};
 use super::ops::Dispatch;
 pub use prefill::pseudo_random_ids;
 use prefill::{bench_prefill, host_weights, Kernel};
@@ -47,6 +49,20 @@ pub struct BenchShape {
     pub down: bool,
     /// Causal attention of the chunk instead of a projection (`rows`, `cols` unused).
     pub attention: Option<AttnBench>,
+    /// Decode shapes: work fused into the product as the engine's decode layer fuses it.
+    pub fused: DecodeFusion,
+}
+
+/// What a decode row fuses into its matvec (`Fuse`), as the engine's decode layer does.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DecodeFusion {
+    #[default]
+    None,
+    /// The input's RMSNorm (the stacked q, k and v projection).
+    Norm,
+    /// The router: RMSNorm, the normed input written out for the experts, and the softmax
+    /// top-`k` in the last workgroup (where the adapter fuses tails).
+    Route { k: usize },
 }
 
 /// An attention measurement: a chunk of `BenchShape::tokens` queries at positions `pos0..`
@@ -58,6 +74,12 @@ pub struct AttnBench {
     pub head_dim: usize,
     pub pos0: usize,
     pub window: Option<usize>,
+    /// One decoded token with the QK-norm, RoPE and KV append fused in
+    /// (`DecodeAttention::with_rope`), as the engine decodes; `pos0` is its position.
+    pub rope: bool,
+    /// Positions the caches hold (what sets the decode kernel's context splits); at least
+    /// `pos0 + tokens`.
+    pub capacity: usize,
 }
 
 impl BenchShape {
@@ -72,6 +94,14 @@ impl BenchShape {
             gated: false,
             down: false,
             attention: None,
+            fused: DecodeFusion::None,
+        }
+    }
+    /// A decode product with `fused` work (`DecodeFusion`).
+    pub fn dense_fused(name: &str, rows: usize, cols: usize, fused: DecodeFusion) -> Self {
+        BenchShape {
+            fused,
+            ..Self::dense(name, rows, cols)
         }
     }
     pub fn experts(name: &str, rows: usize, cols: usize, experts: usize, stack: usize) -> Self {
@@ -85,6 +115,7 @@ impl BenchShape {
             gated: false,
             down: false,
             attention: None,
+            fused: DecodeFusion::None,
         }
     }
     /// The experts' down projection of one token: `experts` of `stack` experts, each its own
@@ -142,6 +173,33 @@ impl BenchShape {
                 head_dim,
                 pos0,
                 window: None,
+                rope: false,
+                capacity: pos0 + tokens,
+            }),
+            ..Self::dense(name, 0, 0)
+        }
+    }
+    /// One decoded token's attention at position `pos` (a context of `pos + 1`) in caches of
+    /// `capacity` positions, with the QK-norm, RoPE and KV append fused in, as the engine
+    /// decodes.
+    pub fn decode_attention(
+        name: &str,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        pos: usize,
+        capacity: usize,
+    ) -> Self {
+        BenchShape {
+            tokens: 1,
+            attention: Some(AttnBench {
+                n_heads,
+                n_kv_heads,
+                head_dim,
+                pos0: pos,
+                window: None,
+                rope: true,
+                capacity: capacity.max(pos + 1),
             }),
             ..Self::dense(name, 0, 0)
         }
@@ -168,6 +226,15 @@ pub fn qwen3_shapes() -> Vec<BenchShape> {
         BenchShape::dense("30B lm_head", 151_936, 2048),
         BenchShape::dense("30B q_proj", 4096, 2048),
         BenchShape::dense("30B o_proj", 2048, 4096),
+        // The decode layer's other steps as the engine fuses them: q, k and v stacked with the
+        // RMSNorm, the router with its norm and top-k, the attention with its RoPE.
+        BenchShape::dense_fused("30B qkv norm", 5120, 2048, DecodeFusion::Norm),
+        BenchShape::dense_fused("30B router", 128, 2048, DecodeFusion::Route { k: 8 }),
+        // `bench decode`'s sessions hold just their tokens; the server's hold 4,096 positions.
+        BenchShape::decode_attention("30B attn dec @63", 32, 4, 128, 63, 129),
+        BenchShape::decode_attention("30B attn dec @63 c4096", 32, 4, 128, 63, 4096),
+        BenchShape::decode_attention("30B attn dec @1023 c4096", 32, 4, 128, 1023, 4096),
+        BenchShape::decode_attention("30B attn dec @4000 c4096", 32, 4, 128, 4000, 4096),
         BenchShape::experts("30B gate_up x8", 1536, 2048, 8, 32),
         BenchShape::experts_down("30B down x8", 2048, 768, 8, 32),
         BenchShape::dense("235B lm_head", 151_936, 4096),
@@ -664,6 +731,11 @@ fn bench_matvec(
     }
     let y = ctx.storage_buffer("bench y", 4 * (out_rows * shape.experts.max(1)) as u64);
     let residual = ctx.storage_buffer("bench residual", 4 * out_rows as u64);
+    // DecodeFusion: the norm's weights, the normed input written out, the router's choice.
+    let norm_w = ctx.upload_f32("bench norm weight", &vec![1.0f32; cols]);
+    let normed = ctx.storage_buffer("bench normed x", 4 * cols as u64);
+    let route_ids = ctx.storage_buffer("bench route ids", 4 * rows.max(4) as u64);
+    let route_w = ctx.storage_buffer("bench route weights", 4 * rows.max(4) as u64);
     let mut kernels = vec![];
     let mut keep = vec![];
     for c in 0..copies {
@@ -703,10 +775,24 @@ fn bench_matvec(
             weights: BufRef::new(&wts),
             k: shape.experts,
         };
-        let fuse = Fuse {
+        let mut fuse = Fuse {
             sum_into: (shape.down && ctx.fused_tails()).then_some(sum),
             ..Fuse::default()
         };
+        if shape.fused != DecodeFusion::None {
+            fuse.norm = Some((BufRef::new(&norm_w), 1e-6));
+        }
+        if let DecodeFusion::Route { k } = shape.fused {
+            fuse.norm_out = Some(BufRef::new(&normed));
+            if ctx.fused_tails() {
+                fuse.route = Some(RouteTail {
+                    ids: BufRef::new(&route_ids),
+                    weights: BufRef::new(&route_w),
+                    k,
+                    normalize: true,
+                });
+            }
+        }
         kernels.push(MatVec::fused_tuned(ctx, &desc, &fuse, tuning)?);
         keep.push((wbuf, idbuf));
     }
