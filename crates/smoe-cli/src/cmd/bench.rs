@@ -63,7 +63,8 @@ pub struct KernelArgs {
     /// pairs, float bits, int8 dot products): for choosing the defaults on a new device.
     #[arg(long)]
     sweep: bool,
-    /// Only the shapes whose name contains this (e.g. "down", "235B").
+    /// Only the shapes whose name contains this (e.g. "down", "235B", "router", "attn dec" for
+    /// the decode attention with its RoPE, "pf512" for prefill).
     #[arg(long, value_name = "TEXT")]
     shape: Option<String>,
 }
