@@ -286,7 +286,7 @@ fn main(
                 score = sc[li];
             }
         } else if pos < p1 {
-            let kb = p.kc_off + pos * (kvw / 4u) + kvh * hd4;
+            let kb = p.kc_off + pos * kvw4 + kvh * hd4;
             var acc = 0.0;
             if ROPE && pos == cur {
                 for (var i = 0u; i < hd4; i++) {

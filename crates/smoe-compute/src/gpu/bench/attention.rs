@@ -5,14 +5,14 @@
 
 use super::timer::Timer;
 use super::{AttnBench, BenchRow, BenchShape};
-
-/// Cache bytes a decode attention row rotates over: twice an H200's L2.
-const DECODE_ROTATE_BYTES: u64 = 100 << 20;
 use crate::gpu::attention::{AttnDesc, DecodeAttention, FusedRope};
 use crate::gpu::attn_prefill::{PrefillAttention, PrefillAttnTuning};
 use crate::gpu::buffers::BufRef;
 use crate::gpu::context::{GpuContext, GpuError};
 use smoe_vault::quant::DType;
+
+/// Cache bytes a decode attention row rotates over: twice an H200's L2.
+const DECODE_ROTATE_BYTES: u64 = 100 << 20;
 
 /// Deterministic values in [-1, 1): timing does not depend on them, but NaN or denormals might.
 fn filler(n: usize, seed: u64) -> Vec<f32> {
@@ -149,8 +149,10 @@ fn bench_decode(
     let kc = ctx.upload_f32("bench k caches", &filler(len, 2));
     let vc = ctx.upload_f32("bench v caches", &filler(len, 3));
     let what = |e: GpuError| vec![format!("{} attn_decode rope: {e}", shape.name)];
+    // One partials buffer for all copies: their dispatches run one after another, as a
+    // sequence's layers share theirs.
+    let mut scratch = None;
     let mut kernels = vec![];
-    let mut keep = vec![];
     for c in 0..copies as u64 {
         let desc = AttnDesc {
             q: BufRef::new(&q),
@@ -166,15 +168,16 @@ fn bench_decode(
             scale: 1.0 / (hd as f32).sqrt(),
             window: a.window,
         };
-        let scratch = ctx.storage_buffer(
-            "bench attention partials",
-            DecodeAttention::scratch_bytes(&desc).max(16),
-        );
-        match DecodeAttention::with_rope(ctx, &desc, &scratch, Some(&rope)) {
+        let scratch = scratch.get_or_insert_with(|| {
+            ctx.storage_buffer(
+                "bench attention partials",
+                DecodeAttention::scratch_bytes(&desc).max(16),
+            )
+        });
+        match DecodeAttention::with_rope(ctx, &desc, scratch, Some(&rope)) {
             Ok(d) => kernels.push(d),
             Err(e) => return (vec![], what(e)),
         }
-        keep.push(scratch);
     }
     let n = iters.max(copies);
     match timer.time(&|p| (0..n).for_each(|i| kernels[i % copies].record(p))) {
