@@ -25,6 +25,7 @@ mod matmul;
 mod matvec;
 mod ops;
 mod parts;
+mod prefetch;
 mod router;
 mod slot_map;
 mod spirv;
@@ -45,6 +46,7 @@ pub use matvec::{
     NT_MAX,
 };
 pub use ops::{Argmax, EltOp, Eltwise, RmsNorm, WeightedSum};
+pub use prefetch::{Prefetch, PrefetchGroups};
 pub use router::Router;
 pub use slot_map::{SlotMap, SlotMapBufs, NO_SLOT};
 pub use timestamps::Timestamps;

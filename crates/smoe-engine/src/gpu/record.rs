@@ -3,7 +3,7 @@
 
 use smoe_compute::gpu::{
     wgpu, Argmax, DecodeAttention, Eltwise, EmbedGather, ExpertSort, IndirectArgs, Launch, MatMul,
-    MatVec, QkNormRope, RmsNorm, Router, SlotMap, Timestamps, WeightedSum,
+    MatVec, Prefetch, QkNormRope, RmsNorm, Router, SlotMap, Timestamps, WeightedSum,
 };
 
 /// A prepared dispatch (or a few) that records into a compute pass.
@@ -32,7 +32,8 @@ dispatch!(
     QkNormRope,
     DecodeAttention,
     EmbedGather,
-    SlotMap
+    SlotMap,
+    Prefetch
 );
 
 /// An open compute pass; when profiling, the timestamps to mark: after each step (`fine`),
