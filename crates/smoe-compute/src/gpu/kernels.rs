@@ -71,7 +71,6 @@ const KERNELS: &[(&str, &str, &[Fragment])] = &[
         include_str!("../../kernels/matmul_coop.wgsl"),
         &[GEMM_COMMON],
     ),
-    ("prefetch", include_str!("../../kernels/prefetch.wgsl"), &[]),
     (
         "expert_sort",
         include_str!("../../kernels/expert_sort.wgsl"),

@@ -204,20 +204,8 @@ impl MatVecTuning {
             .unwrap_or(2);
         MatVecTuning {
             rows,
-            q4: int8_override(grouped).unwrap_or(Q4Decode::PairsF16),
             ..Self::default()
         }
-    }
-}
-
-/// `SMOE_Q4_INT8=experts|all`: the q4 products of the routed experts (grouped), or all q4
-/// products, on int8-quantized inputs (`Q4Decode::Int8Dot`) — an experiment switch for A/B
-/// runs on a device; unset, every q4 product takes the default decoder.
-fn int8_override(grouped: bool) -> Option<Q4Decode> {
-    match std::env::var("SMOE_Q4_INT8").as_deref() {
-        Ok("all") => Some(Q4Decode::Int8Dot),
-        Ok("experts") if grouped => Some(Q4Decode::Int8Dot),
-        _ => None,
     }
 }
 /// Loads each lane of the kernel keeps in flight before multiplying (its `LD`).

@@ -25,7 +25,6 @@ mod matmul;
 mod matvec;
 mod ops;
 mod parts;
-mod prefetch;
 mod router;
 mod slot_map;
 mod spirv;
@@ -46,7 +45,6 @@ pub use matvec::{
     NT_MAX,
 };
 pub use ops::{Argmax, EltOp, Eltwise, RmsNorm, WeightedSum};
-pub use prefetch::{Prefetch, PrefetchGroups};
 pub use router::Router;
 pub use slot_map::{SlotMap, SlotMapBufs, NO_SLOT};
 pub use timestamps::Timestamps;

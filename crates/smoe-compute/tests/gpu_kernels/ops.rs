@@ -3,9 +3,7 @@
 
 use super::{assert_close, gpu, nan_buffer, rand_vec};
 use smoe_compute::cpu::ops;
-use smoe_compute::gpu::{
-    Argmax, BufRef, EltOp, Eltwise, Prefetch, PrefetchGroups, RmsNorm, Router, WeightedSum,
-};
+use smoe_compute::gpu::{Argmax, BufRef, EltOp, Eltwise, RmsNorm, Router, WeightedSum};
 
 #[test]
 fn rms_norm_matches_cpu() {
@@ -473,72 +471,5 @@ fn slot_map_maps_or_halts_the_pass() {
     assert!(
         SlotMap::new(ctx, &b, 0, 4, 8, 4).is_err(),
         "more ids than a row holds"
-    );
-}
-
-#[test]
-fn prefetch_runs_beside_a_kernel_and_changes_nothing() {
-    // A prefetch computes nothing: recorded between two kernels of one pass (as the decoder
-    // records it), over plain and grouped ranges — ids past the stack skipped — the kernels'
-    // results and the range itself stay as they were. Ranges outside their buffer are refused.
-    let Some(ctx) = gpu() else { return };
-    let (mats, words) = (5usize, 2_000usize);
-    let stack: Vec<f32> = rand_vec(mats * words, 90, 4.0);
-    let sb = ctx.upload_f32("stack", &stack);
-    let ids = ctx.upload("ids", bytemuck::cast_slice(&[3u32, 0, 7, 4]));
-    let plain = Prefetch::new(ctx, &sb, 16, 4 * 1_000, None).unwrap();
-    let groups = PrefetchGroups {
-        ids: BufRef::new(&ids),
-        n_slots: 4,
-        n_mats: mats,
-        mat_stride: 4 * words as u64,
-    };
-    let grouped = Prefetch::new(ctx, &sb, 0, 4 * words as u64, Some(groups)).unwrap();
-    let y0 = rand_vec(333, 91, 8.0);
-    let yb = ctx.upload_f32("y", &y0);
-    let clamp = Eltwise::new(ctx, BufRef::new(&yb), 333, EltOp::Clamp(3.0)).unwrap();
-    let sigmoid = Eltwise::new(ctx, BufRef::new(&yb), 333, EltOp::Sigmoid).unwrap();
-    let mut enc = ctx.encoder();
-    {
-        let mut pass = enc.begin_compute_pass(&Default::default());
-        clamp.record(&mut pass);
-        plain.record(&mut pass);
-        grouped.record(&mut pass);
-        sigmoid.record(&mut pass);
-    }
-    ctx.submit_wait(enc);
-    let want: Vec<f32> = y0
-        .iter()
-        .map(|v| 1.0 / (1.0 + (-v.clamp(-3.0, 3.0)).exp()))
-        .collect();
-    assert_close(
-        "kernels around a prefetch",
-        &ctx.read_f32(&yb, 0, 333).unwrap(),
-        &want,
-        1e-12,
-    );
-    assert_eq!(
-        ctx.read_f32(&sb, 0, mats * words).unwrap(),
-        stack,
-        "the range changed"
-    );
-
-    let past_end = Prefetch::new(ctx, &sb, 4 * (mats * words) as u64 - 64, 128, None);
-    assert!(
-        past_end.is_err(),
-        "a range past the buffer's end was accepted"
-    );
-    let groups_past_end = PrefetchGroups {
-        n_mats: mats + 1,
-        ..groups
-    };
-    let stack_past_end = Prefetch::new(ctx, &sb, 0, 4 * words as u64, Some(groups_past_end));
-    assert!(
-        stack_past_end.is_err(),
-        "a stack past the buffer's end was accepted"
-    );
-    assert!(
-        Prefetch::new(ctx, &sb, 0, 0, None).is_err(),
-        "an empty range was accepted"
     );
 }

@@ -27,8 +27,8 @@ use super::weights::{FfnW, LayerW, Mlp, Packed};
 use crate::error::EngineError;
 use smoe_compute::gpu::{
     wgpu, BufRef, EltOp, Eltwise, ExpertSort, Fuse, GpuContext, Grouped, MatMul, MatMulDesc,
-    MatMulGrouped, MatMulTuning, MatVec, MatVecDesc, Prefetch, PrefetchGroups, RmsNorm, RouteTail,
-    Router, SumTail, WeightRef, WeightedSum,
+    MatMulGrouped, MatMulTuning, MatVec, MatVecDesc, RmsNorm, RouteTail, Router, SumTail,
+    WeightRef, WeightedSum,
 };
 use smoe_vault::ModelConfig;
 
@@ -117,28 +117,6 @@ struct B<'a> {
     /// n ≥ GEMM_MIN.
     gemm: bool,
     norm_topk: bool,
-    /// Warm the next kernels' weights in L2 beside the kernel before them (`Next::prefetch`).
-    prefetch: bool,
-}
-
-/// What a layer's dispatches need of the layers after it.
-#[derive(Clone, Copy, Default)]
-pub(crate) struct Next<'a> {
-    /// Streaming: the router of the next MoE layer (for `lookahead`).
-    pub router: Option<&'a Packed>,
-    /// Decode batches on a resident model: each kernel's weights are touched into the GPU's L2
-    /// cache beside the kernel before it (`Prefetch`) — o and the router's beside the attention,
-    /// the chosen experts' down beside their gate_up, and `qkv` (the next layer's) beside the
-    /// down projection. Every decode kernel is bound by memory latency, not bandwidth, with the
-    /// memory system mostly idle: the kernel that finds its weights in L2 waits less.
-    pub prefetch: bool,
-    pub qkv: Option<&'a Packed>,
-}
-
-/// `SMOE_GPU_PREFETCH=1` turns the decode prefetches on (`Next::prefetch`; an experiment, off
-/// by default: on the H200 it made decode 2 % slower, docs/performance.md).
-pub(crate) fn prefetch_enabled() -> bool {
-    std::env::var("SMOE_GPU_PREFETCH").is_ok_and(|v| v == "1")
 }
 
 /// The normed input of a block: `hn` written by a separate RMSNorm, or x normed inside each
@@ -150,19 +128,6 @@ enum Input<'a> {
 }
 
 impl B<'_> {
-    /// A prefetch of `w`'s bytes (with `groups`: of each chosen matrix) into `ops`, when
-    /// prefetching; skipped with a debug line where the range does not fit one binding.
-    fn prefetch(&self, w: WeightRef, groups: Option<PrefetchGroups>, ops: &mut Vec<Op>) {
-        if !self.prefetch {
-            return;
-        }
-        let bytes = (w.rows * w.dtype.row_stride(w.cols)) as u64;
-        match Prefetch::new(self.ctx, w.buffer, w.offset, bytes, groups) {
-            Ok(p) => ops.push(Op::new("prefetch", p)),
-            Err(e) => tracing::debug!("no prefetch: {e}"),
-        }
-    }
-
     #[allow(clippy::too_many_arguments)]
     fn mv(
         &self,
@@ -432,7 +397,7 @@ impl LayerOps {
         a: &Acts,
         c: &ModelConfig,
         n: usize,
-        next: Next,
+        next_router: Option<&Packed>,
     ) -> Result<Self, EngineError> {
         let b = B {
             ctx,
@@ -440,9 +405,7 @@ impl LayerOps {
             n,
             gemm: n >= GEMM_MIN,
             norm_topk: c.norm_topk_prob,
-            prefetch: next.prefetch && n < GEMM_MIN,
         };
-        let next_router = next.router;
         let d = a.d;
         let eps = c.rms_norm_eps as f32;
         let mut pre = vec![];
@@ -504,12 +467,6 @@ impl LayerOps {
 
         // x += o(attn), then the FFN block.
         let mut post = vec![];
-        // Beside the attention (few workgroups, a chain of dependent loads): o's weights and
-        // the router's.
-        b.prefetch(w.o.w(0), None, &mut post);
-        if let FfnW::Moe { router, .. } = &w.ffn {
-            b.prefetch(router.w(0), None, &mut post);
-        }
         b.proj_add("o proj", w.o.w(0), BufRef::new(&a.attn), &mut post)?;
         let shared_expert = matches!(
             &w.ffn,
@@ -598,14 +555,6 @@ impl LayerOps {
                 } else {
                     let grouped_gu = Some(grouped(k));
                     post.push(b.mv_in("experts gate_up", input, gate, up, gu, grouped_gu)?);
-                    // Beside gate_up: the chosen experts' down matrices.
-                    let chosen = PrefetchGroups {
-                        ids,
-                        n_slots: n * k,
-                        n_mats: e.slots,
-                        mat_stride: e.stride,
-                    };
-                    b.prefetch(down, Some(chosen), &mut post);
                     // Each slot's down projection on its own (a workgroup per 16 rows of one
                     // expert), then the weighted sum into x: one dispatch more than the fused
                     // reduce (`Fuse::reduce`, a workgroup per 16 rows of all k experts), but the
@@ -639,12 +588,6 @@ impl LayerOps {
                     let sum = WeightedSum::new(ctx, BufRef::new(&a.x), tmp, sg, d.h, 1, n);
                     post.push(Op::new("shared sum", sum.map_err(gpu_err)?));
                 }
-            }
-        }
-        // Beside this layer's last kernel: the next layer's q, k and v.
-        if let Some(qkv) = next.qkv {
-            for i in 0..qkv.mats.len() {
-                b.prefetch(qkv.w(i), None, &mut post);
             }
         }
         Ok(LayerOps {

@@ -3,7 +3,7 @@
 
 use smoe_compute::gpu::{
     wgpu, Argmax, DecodeAttention, Eltwise, EmbedGather, ExpertSort, IndirectArgs, Launch, MatMul,
-    MatVec, Prefetch, QkNormRope, RmsNorm, Router, SlotMap, Timestamps, WeightedSum,
+    MatVec, QkNormRope, RmsNorm, Router, SlotMap, Timestamps, WeightedSum,
 };
 
 /// A prepared dispatch (or a few) that records into a compute pass.
@@ -32,8 +32,7 @@ dispatch!(
     QkNormRope,
     DecodeAttention,
     EmbedGather,
-    SlotMap,
-    Prefetch
+    SlotMap
 );
 
 /// An open compute pass; when profiling, the timestamps to mark: after each step (`fine`),

@@ -21,7 +21,7 @@
 use super::{mat, Logits};
 use crate::error::EngineError;
 use crate::gpu::{
-    self, Acts, FfnW, GpuKv, Head, KvPool, LayerOps, Next, Readback, Recorder, Weights, GEMM_MIN,
+    self, Acts, FfnW, GpuKv, Head, KvPool, LayerOps, Readback, Recorder, Weights, GEMM_MIN,
     LOGIT_ROWS, T_MAX,
 };
 use crate::kv_cache::KvCache;
@@ -339,16 +339,9 @@ impl GpuDecoder {
                 FfnW::Dense(_) => None,
             })
         };
-        // Resident decode: each kernel's weights warmed in L2 beside the kernel before it.
-        let prefetch = streaming.is_none() && gpu::prefetch_enabled();
-        let next = |l: usize| Next {
-            router: next_router(l),
-            prefetch,
-            qkv: weights.layers.get(l + 1).map(|w| &w.qkv),
-        };
         for n in gpu::batch_sizes() {
             let layers = (weights.layers.iter().enumerate())
-                .map(|(l, w)| LayerOps::new(ctx, w, &acts, &cfg, n, next(l)))
+                .map(|(l, w)| LayerOps::new(ctx, w, &acts, &cfg, n, next_router(l)))
                 .collect::<Result<Vec<_>, _>>()?;
             batches.push((layers, Head::new(ctx, &weights, &acts, eps, n)?));
         }

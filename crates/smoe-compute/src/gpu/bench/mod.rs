@@ -722,14 +722,7 @@ fn bench_matvec(
     let n_mats = if grouped { shape.stack } else { 1 };
     let buf_bytes = mat_bytes * n_mats as u64;
     let max_buf = ctx.limits().max_buffer_size;
-    // SMOE_BENCH_HOT=1 (an experiment switch): one copy, so that every call after the first
-    // finds its weights in the GPU's L2 — what a kernel would gain from a prefetch.
-    let hot = std::env::var("SMOE_BENCH_HOT").is_ok_and(|v| v == "1");
-    let copies = if hot {
-        1
-    } else {
-        ROTATE_BYTES.div_ceil(buf_bytes).clamp(2, 16) as usize
-    };
+    let copies = ROTATE_BYTES.div_ceil(buf_bytes).clamp(2, 16) as usize;
     if buf_bytes > max_buf {
         return Err(GpuError::Shape(format!(
             "{}: {buf_bytes} bytes exceed a buffer",
