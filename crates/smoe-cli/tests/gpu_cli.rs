@@ -110,6 +110,29 @@ fn bench_kernels_reports_ratios_to_copy() {
         assert!(us > 0.0 && us < 1e6, "{key}: {floor}");
     }
     assert_eq!(floor["workgroups"], 1024, "{floor}");
+    // The barrier inside one dispatch: on a GPU every workgroup count reported, timed (> 0 µs)
+    // or marked not co-resident (null), and never a stale read where it was timed; on a CPU
+    // adapter (lavapipe) not measured, and saying so.
+    let grid = &v["grid_barrier"];
+    assert_eq!(grid["rounds"], 20, "{grid}");
+    let grid_rows = grid["rows"].as_array().unwrap();
+    let adapter = smoe_compute::gpu::GpuContext::new()
+        .unwrap()
+        .info()
+        .adapter
+        .clone();
+    let cpu = adapter.device_type == smoe_compute::gpu::wgpu::DeviceType::Cpu;
+    assert_eq!(grid_rows.len(), if cpu { 0 } else { 4 }, "{grid}");
+    assert_eq!(grid["skipped"].is_string(), cpu, "{grid}");
+    for r in grid_rows {
+        assert!(r["workgroups"].as_u64().unwrap() > 0, "{r}");
+        if let Some(us) = r["us_per_round"].as_f64() {
+            assert!((0.0..1e6).contains(&us), "{r}");
+            assert_eq!(r["stale_reads"], 0, "{r}");
+        } else {
+            assert!(r["us_per_round"].is_null(), "{r}");
+        }
+    }
     let rows = v["rows"].as_array().unwrap();
     assert_eq!(
         rows.len(),

@@ -15,7 +15,9 @@ pub enum Bench {
     Decode(DecodeArgs),
     /// GB/s of each GPU matvec kernel at Qwen3-MoE shapes beside a copy kernel's GB/s, TFLOP/s
     /// of the prefill kernels (token-batched GEMM, prefill attention) at 512 tokens, and what a
-    /// dependent dispatch with nothing to do costs (the floor of every decode step).
+    /// dependent dispatch with nothing to do costs (the floor of every decode step), beside a
+    /// barrier across the workgroups of one dispatch (what a persistent kernel's step would
+    /// cost instead).
     Kernels(KernelArgs),
     /// The server under load: total tok/s and p50/p99 latency at several numbers of clients.
     Serve(crate::cmd::bench_serve::Args),
@@ -78,7 +80,9 @@ pub fn run(b: Bench) -> Result<()> {
 }
 
 fn kernels(a: KernelArgs) -> Result<()> {
-    use smoe_compute::gpu::bench::{bench_kernels, dispatch_floor, qwen3_shapes, BenchShape};
+    use smoe_compute::gpu::bench::{
+        bench_kernels, dispatch_floor, grid_barrier, qwen3_shapes, BenchShape,
+    };
     use smoe_compute::gpu::{GpuContext, MatVecTuning, Q4Decode};
     use smoe_vault::DType;
     let ctx = GpuContext::new().map_err(|e| anyhow::anyhow!("bench kernels needs a GPU: {e}"))?;
@@ -109,8 +113,10 @@ fn kernels(a: KernelArgs) -> Result<()> {
     }
     // Once, before the shapes: what every decode step pays at least.
     let floor = dispatch_floor(&ctx, a.iters)?;
+    // And what a persistent kernel would pay per step instead (a barrier inside one dispatch).
+    let grid = grid_barrier(&ctx, 10 * a.iters)?;
     if !a.json {
-        println!("{floor}\n");
+        println!("{floor}\n{grid}\n");
     }
     let (mut rows, mut errors, mut copy, mut device) = (vec![], vec![], 0f64, String::new());
     // One shape at a time, so partial results show even if a later shape fails.
@@ -178,6 +184,10 @@ fn kernels(a: KernelArgs) -> Result<()> {
             serde_json::json!({"device": device, "copy_gb_per_s": copy,
                 "dependent_dispatch_us": {"one_workgroup": floor.one_us,
                     "workgroups": floor.wide_groups, "many_workgroups": floor.wide_us},
+                "grid_barrier": {"rounds": grid.rounds, "skipped": grid.skipped,
+                    "rows": grid.rows.iter().map(|r|
+                    serde_json::json!({"workgroups": r.groups, "us_per_round": r.us_per_round,
+                        "stale_reads": r.stale})).collect::<Vec<_>>()},
                 "rows": rows, "errors": errors})
         );
     }

@@ -72,6 +72,11 @@ const KERNELS: &[(&str, &str, &[Fragment])] = &[
         &[GEMM_COMMON],
     ),
     (
+        "grid_sync",
+        include_str!("../../kernels/grid_sync.wgsl"),
+        &[],
+    ),
+    (
         "expert_sort",
         include_str!("../../kernels/expert_sort.wgsl"),
         &[],

@@ -473,3 +473,30 @@ fn slot_map_maps_or_halts_the_pass() {
         "more ids than a row holds"
     );
 }
+
+#[test]
+fn grid_barrier_counts_arrivals_and_gives_up_when_alone() {
+    // The barrier `bench kernels` times for a persistent kernel: one workgroup passes every
+    // round alone (each arrival counted, no stale read); one that waits for a second workgroup
+    // that was never dispatched gives up after its polls instead of hanging.
+    use smoe_compute::gpu::bench::{grid_sync_run, GridRun};
+    let Some(ctx) = gpu() else { return };
+    let alone = grid_sync_run(ctx, 1, 1, 10, 1 << 20).unwrap();
+    let want = GridRun {
+        arrivals: 10,
+        gave_up: 0,
+        stale: 0,
+    };
+    assert_eq!(alone, want);
+    let stuck = grid_sync_run(ctx, 1, 2, 10, 1000).unwrap();
+    let want = GridRun {
+        arrivals: 1,
+        gave_up: 1,
+        stale: 0,
+    };
+    assert_eq!(stuck, want, "a barrier no second workgroup reaches");
+    assert!(
+        grid_sync_run(ctx, 1, 0, 10, 1000).is_err(),
+        "zero workgroups accepted"
+    );
+}

@@ -10,6 +10,7 @@
 //! attention kernel beside the prefill one in each of its tiles.
 
 mod attention;
+mod grid;
 mod prefill;
 mod timer;
 
@@ -21,6 +22,7 @@ use super::matvec::{
     Fuse, Grouped, MatVec, MatVecDesc, MatVecTuning, RouteTail, SumTail, WeightRef,
 };
 use super::ops::Dispatch;
+pub use grid::{grid_barrier, grid_sync_run, GridBarrier, GridBarrierRow, GridRun, SPIN_LIMIT};
 pub use prefill::pseudo_random_ids;
 use prefill::{bench_prefill, host_weights, Kernel};
 use smoe_vault::quant::DType;
