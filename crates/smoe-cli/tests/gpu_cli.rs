@@ -14,8 +14,22 @@ fn smoe(args: &[&str]) -> Output {
         .expect("run smoe")
 }
 
+/// The adapter's kind and features, probed once for the whole test binary: the tests run on
+/// threads of one process, and each opening and dropping a device of its own at once crashed
+/// the process under NVIDIA's driver (a segmentation fault of this binary on the H200,
+/// 2026-12-03).
+fn adapter() -> &'static Result<(wgpu::DeviceType, wgpu::Features), String> {
+    static ADAPTER: std::sync::OnceLock<Result<(wgpu::DeviceType, wgpu::Features), String>> =
+        std::sync::OnceLock::new();
+    ADAPTER.get_or_init(|| {
+        smoe_compute::gpu::GpuContext::new()
+            .map(|c| (c.info().adapter.device_type, c.info().features))
+            .map_err(|e| e.to_string())
+    })
+}
+
 fn have_gpu() -> bool {
-    match smoe_compute::gpu::GpuContext::new() {
+    match adapter() {
         Ok(_) => true,
         Err(e) => {
             if std::env::var("SMOE_REQUIRE_GPU").is_ok_and(|v| v == "1") {
@@ -116,14 +130,26 @@ fn bench_kernels_reports_ratios_to_copy() {
     let grid = &v["grid_barrier"];
     assert_eq!(grid["rounds"], 20, "{grid}");
     let grid_rows = grid["rows"].as_array().unwrap();
-    let adapter = smoe_compute::gpu::GpuContext::new()
-        .unwrap()
-        .info()
-        .adapter
-        .clone();
-    let cpu = adapter.device_type == smoe_compute::gpu::wgpu::DeviceType::Cpu;
+    let cpu = adapter().as_ref().unwrap().0 == wgpu::DeviceType::Cpu;
     assert_eq!(grid_rows.len(), if cpu { 0 } else { 4 }, "{grid}");
     assert_eq!(grid["skipped"].is_string(), cpu, "{grid}");
+    // The chain of products as dispatches and as one persistent dispatch: timed on a GPU, the
+    // persistent runs' outputs equal to the dispatches' (or not co-resident: null).
+    let chain = &v["persistent_chain"];
+    assert_eq!(chain["skipped"].is_string(), cpu, "{chain}");
+    if !cpu {
+        assert!(
+            chain["dispatch_us_per_step"].as_f64().unwrap() > 0.0,
+            "{chain}"
+        );
+        assert!(chain["max_rel_diff"].as_f64().unwrap() < 1e-4, "{chain}");
+        for key in ["persistent_us_per_step", "early_loads_us_per_step"] {
+            assert!(
+                chain[key].is_null() || chain[key].as_f64().unwrap() > 0.0,
+                "{chain}"
+            );
+        }
+    }
     for r in grid_rows {
         assert!(r["workgroups"].as_u64().unwrap() > 0, "{r}");
         if let Some(us) = r["us_per_round"].as_f64() {
@@ -240,12 +266,11 @@ fn bench_decode_streaming_reports_the_router_stops() {
     assert!(f("fill_s") >= f("upload_s"), "{v}");
     // Slots the host maps where the device offers it; on unified memory (lavapipe in CI) disk
     // reads land in them.
-    let ctx = smoe_compute::gpu::GpuContext::new().unwrap();
-    let info = ctx.info();
-    let mappable = (info.features).contains(wgpu::Features::MAPPABLE_PRIMARY_BUFFERS);
+    let (kind, features) = *adapter().as_ref().unwrap();
+    let mappable = features.contains(wgpu::Features::MAPPABLE_PRIMARY_BUFFERS);
     assert_eq!(s["mapped"].as_bool(), Some(mappable), "{v}");
     let unified = matches!(
-        info.adapter.device_type,
+        kind,
         wgpu::DeviceType::IntegratedGpu | wgpu::DeviceType::Cpu
     );
     assert_eq!(f("landed") > 0.0, mappable && unified, "{v}");

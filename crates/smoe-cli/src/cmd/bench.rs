@@ -17,7 +17,7 @@ pub enum Bench {
     /// of the prefill kernels (token-batched GEMM, prefill attention) at 512 tokens, and what a
     /// dependent dispatch with nothing to do costs (the floor of every decode step), beside a
     /// barrier across the workgroups of one dispatch (what a persistent kernel's step would
-    /// cost instead).
+    /// cost instead), and a chain of 48 products run both ways.
     Kernels(KernelArgs),
     /// The server under load: total tok/s and p50/p99 latency at several numbers of clients.
     Serve(crate::cmd::bench_serve::Args),
@@ -81,7 +81,7 @@ pub fn run(b: Bench) -> Result<()> {
 
 fn kernels(a: KernelArgs) -> Result<()> {
     use smoe_compute::gpu::bench::{
-        bench_kernels, dispatch_floor, grid_barrier, qwen3_shapes, BenchShape,
+        bench_kernels, dispatch_floor, grid_barrier, persistent_chain, qwen3_shapes, BenchShape,
     };
     use smoe_compute::gpu::{GpuContext, MatVecTuning, Q4Decode};
     use smoe_vault::DType;
@@ -115,8 +115,10 @@ fn kernels(a: KernelArgs) -> Result<()> {
     let floor = dispatch_floor(&ctx, a.iters)?;
     // And what a persistent kernel would pay per step instead (a barrier inside one dispatch).
     let grid = grid_barrier(&ctx, 10 * a.iters)?;
+    // And the two on the same chain of products (a persistent kernel's possible gain).
+    let chain = persistent_chain(&ctx)?;
     if !a.json {
-        println!("{floor}\n{grid}\n");
+        println!("{floor}\n{grid}\n{chain}\n");
     }
     let (mut rows, mut errors, mut copy, mut device) = (vec![], vec![], 0f64, String::new());
     // One shape at a time, so partial results show even if a later shape fails.
@@ -188,6 +190,11 @@ fn kernels(a: KernelArgs) -> Result<()> {
                     "rows": grid.rows.iter().map(|r|
                     serde_json::json!({"workgroups": r.groups, "us_per_round": r.us_per_round,
                         "stale_reads": r.stale})).collect::<Vec<_>>()},
+                "persistent_chain": {"steps": chain.steps, "workgroups": chain.groups,
+                    "skipped": chain.skipped, "dispatch_us_per_step": chain.dispatch_us,
+                    "persistent_us_per_step": chain.persistent_us,
+                    "early_loads_us_per_step": chain.early_us,
+                    "max_rel_diff": chain.max_rel_diff},
                 "rows": rows, "errors": errors})
         );
     }

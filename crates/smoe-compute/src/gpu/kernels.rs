@@ -77,6 +77,11 @@ const KERNELS: &[(&str, &str, &[Fragment])] = &[
         &[],
     ),
     (
+        "persist_matvec",
+        include_str!("../../kernels/persist_matvec.wgsl"),
+        &[],
+    ),
+    (
         "expert_sort",
         include_str!("../../kernels/expert_sort.wgsl"),
         &[],

@@ -500,3 +500,47 @@ fn grid_barrier_counts_arrivals_and_gives_up_when_alone() {
         "zero workgroups accepted"
     );
 }
+
+#[test]
+fn persistent_chain_matches_the_cpu_in_every_mode() {
+    // `bench kernels`' chain of bf16 products, y[s + 1] = W[s] · y[s], as a dispatch per step
+    // and as one persistent dispatch with its weights loaded after or before each barrier,
+    // against the CPU. One workgroup (16 rows; the other 2,032 outputs of each step stay 0), so
+    // that its barriers pass on any device; two as dependent dispatches.
+    use smoe_compute::gpu::bench::{chain_weights, Chain, ChainMode, PERSIST_COLS};
+    let Some(ctx) = gpu() else { return };
+    let x0 = rand_vec(PERSIST_COLS, 95, 1.0);
+    let bf16 = |b: u16| f32::from_bits((b as u32) << 16);
+    let modes = [
+        (ChainMode::Dispatches, 2),
+        (ChainMode::Dispatches, 1),
+        (ChainMode::Persistent { early: false }, 1),
+        (ChainMode::Persistent { early: true }, 1),
+    ];
+    for (mode, groups) in modes {
+        let (steps, rows) = (5, 16 * groups);
+        let w = chain_weights(steps * rows * PERSIST_COLS, 96);
+        let mut x = x0.clone();
+        for s in 0..steps {
+            let m = &w[s * rows * PERSIST_COLS..];
+            let mut y = vec![0f32; PERSIST_COLS];
+            for (r, out) in y.iter_mut().take(rows).enumerate() {
+                let row = &m[r * PERSIST_COLS..(r + 1) * PERSIST_COLS];
+                *out = row.iter().zip(&x).map(|(&b, &v)| bf16(b) * v).sum();
+            }
+            x = y;
+        }
+        let chain = Chain::new(ctx, mode, groups, steps, &w, &x0).unwrap();
+        let (got, gave_up) = chain.run(ctx).unwrap();
+        assert_eq!(
+            gave_up, 0,
+            "{mode:?}: a lone workgroup gave up at its own barrier"
+        );
+        assert_close(&format!("chain {mode:?} x{groups}"), &got, &x, 1e-10);
+    }
+    let w = chain_weights(16 * PERSIST_COLS, 97);
+    assert!(
+        Chain::new(ctx, ChainMode::Dispatches, 1, 2, &w, &x0).is_err(),
+        "too few weights"
+    );
+}

@@ -178,6 +178,9 @@ impl fmt::Display for GridBarrier {
             "barrier across one dispatch's workgroups ({} rounds):",
             self.rounds
         )?;
+        if let Some(why) = self.skipped {
+            write!(f, " {why}")?;
+        }
         for r in &self.rows {
             match r.us_per_round {
                 Some(us) => write!(f, " {:.2} µs ({} workgroups", us, r.groups)?,

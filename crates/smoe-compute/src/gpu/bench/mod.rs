@@ -11,6 +11,7 @@
 
 mod attention;
 mod grid;
+mod persistent;
 mod prefill;
 mod timer;
 
@@ -23,6 +24,10 @@ use super::matvec::{
 };
 use super::ops::Dispatch;
 pub use grid::{grid_barrier, grid_sync_run, GridBarrier, GridBarrierRow, GridRun, SPIN_LIMIT};
+pub use persistent::{
+    chain_weights, persistent_chain, Chain, ChainMode, PersistentBench, PERSIST_COLS,
+    PERSIST_ROWS_PER_GROUP,
+};
 pub use prefill::pseudo_random_ids;
 use prefill::{bench_prefill, host_weights, Kernel};
 use smoe_vault::quant::DType;
