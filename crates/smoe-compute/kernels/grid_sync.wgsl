@@ -7,7 +7,8 @@
 // an atomic load (never a stale per-core cache line) and counts a stale one in `sync[2]`. WGSL
 // does not promise that a dispatch's workgroups run together: one that waits `spin_limit`
 // polls without seeing the others gives up (counted in `sync[1]`) and ends, so a device that
-// cannot hold them all at once reports that instead of hanging. RESET: one invocation zeroes
+// cannot hold them all at once reports that instead of hanging (`grid_wait`, grid_wait.wgsl,
+// prepended). RESET: one invocation zeroes
 // the counters (a dispatch of its own, before the measured one).
 
 struct Params {
@@ -44,17 +45,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
         storageBarrier();
         if li == 0u {
             atomicAdd(&sync[0], 1u);
-            let want = (r + 1u) * p.groups;
-            var polls = 0u;
-            loop {
-                if atomicLoad(&sync[0]) >= want || polls >= p.spin_limit {
-                    break;
-                }
-                polls++;
-            }
-            gave_up = select(0u, 1u, polls >= p.spin_limit);
         }
-        if workgroupUniformLoad(&gave_up) != 0u {
+        if grid_wait(li, (r + 1u) * p.groups, p.spin_limit) {
             if li == 0u {
                 atomicAdd(&sync[1], 1u);
             }

@@ -78,19 +78,8 @@ fn main(
             q = load_rows(s, row0, li);
         }
         if PERSIST && i > 0u {
-            // Wait for every workgroup's step s − 1.
-            if li == 0u {
-                let want = i * p.groups;
-                var polls = 0u;
-                loop {
-                    if atomicLoad(&sync[0]) >= want || polls >= p.spin_limit {
-                        break;
-                    }
-                    polls++;
-                }
-                gave_up = select(0u, 1u, polls >= p.spin_limit);
-            }
-            if workgroupUniformLoad(&gave_up) != 0u {
+            // Wait for every workgroup's step s − 1 (grid_wait.wgsl, prepended).
+            if grid_wait(li, i * p.groups, p.spin_limit) {
                 if li == 0u {
                     atomicAdd(&sync[1], 1u);
                 }

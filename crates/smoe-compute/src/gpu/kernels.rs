@@ -3,7 +3,8 @@
 //! `gemm_common.wgsl`: the GEMMs' parameters, bindings, loads and weight decoding; `topk.wgsl`:
 //! the router's softmax top-k; `rope.wgsl`: RoPE's rotation; `code_pair_f16.wgsl` /
 //! `code_pair_f32.wgsl`: the matvec's q4 code pairs, with and without f16 arithmetic;
-//! `attn_merge.wgsl`: decode attention's merge of its splits) are prepended
+//! `attn_merge.wgsl`: decode attention's merge of its splits; `grid_wait.wgsl`: the wait of a
+//! barrier across a dispatch's workgroups, for two of the benchmarks' kernels) are prepended
 //! to the kernels that use them, since WGSL has no includes.
 
 use std::borrow::Cow;
@@ -24,6 +25,7 @@ const CODE_PAIR_F16: Fragment = (
     "code_pair_f16",
     include_str!("../../kernels/code_pair_f16.wgsl"),
 );
+const GRID_WAIT: Fragment = ("grid_wait", include_str!("../../kernels/grid_wait.wgsl"));
 const CODE_PAIR_F32: Fragment = (
     "code_pair_f32",
     include_str!("../../kernels/code_pair_f32.wgsl"),
@@ -74,12 +76,12 @@ const KERNELS: &[(&str, &str, &[Fragment])] = &[
     (
         "grid_sync",
         include_str!("../../kernels/grid_sync.wgsl"),
-        &[],
+        &[GRID_WAIT],
     ),
     (
         "persist_matvec",
         include_str!("../../kernels/persist_matvec.wgsl"),
-        &[],
+        &[GRID_WAIT],
     ),
     (
         "expert_sort",

@@ -15,7 +15,7 @@ use smoe_vault::quant::DType;
 const DECODE_ROTATE_BYTES: u64 = 100 << 20;
 
 /// Deterministic values in [-1, 1): timing does not depend on them, but NaN or denormals might.
-fn filler(n: usize, seed: u64) -> Vec<f32> {
+pub(super) fn filler(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed | 1;
     (0..n)
         .map(|_| {

@@ -146,16 +146,8 @@ pub struct PersistentBench {
 /// Deterministic bf16 weights of about unit gain per product (uniform in ±√(3/2048)).
 pub fn chain_weights(n: usize, seed: u64) -> Vec<u16> {
     let a = (3.0f32 / PERSIST_COLS as f32).sqrt();
-    let mut s = seed | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            let u = (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
-            ((u * a).to_bits() >> 16) as u16
-        })
-        .collect()
+    let w = super::attention::filler(n, seed);
+    w.iter().map(|u| ((u * a).to_bits() >> 16) as u16).collect()
 }
 
 /// 48 steps (a decode token's layers) of 2048 × 2048 bf16 products (8 MiB each, 384 MiB in
