@@ -14,22 +14,11 @@ fn smoe(args: &[&str]) -> Output {
         .expect("run smoe")
 }
 
-/// The adapter's kind and features, probed once for the whole test binary: the tests run on
-/// threads of one process, and each opening and dropping a device of its own at once crashed
-/// the process under NVIDIA's driver (a segmentation fault of this binary on the H200,
-/// 2026-12-03).
-fn adapter() -> &'static Result<(wgpu::DeviceType, wgpu::Features), String> {
-    static ADAPTER: std::sync::OnceLock<Result<(wgpu::DeviceType, wgpu::Features), String>> =
-        std::sync::OnceLock::new();
-    ADAPTER.get_or_init(|| {
-        smoe_compute::gpu::GpuContext::new()
-            .map(|c| (c.info().adapter.device_type, c.info().features))
-            .map_err(|e| e.to_string())
-    })
-}
-
+/// The process's device (`smoe_engine::gpu::context`, opened once: the tests run on threads of
+/// one process, and each opening and dropping a device of its own at once crashed this binary
+/// under NVIDIA's driver on the H200, 2026-12-03).
 fn have_gpu() -> bool {
-    match adapter() {
+    match smoe_engine::gpu::context() {
         Ok(_) => true,
         Err(e) => {
             if std::env::var("SMOE_REQUIRE_GPU").is_ok_and(|v| v == "1") {
@@ -130,7 +119,8 @@ fn bench_kernels_reports_ratios_to_copy() {
     let grid = &v["grid_barrier"];
     assert_eq!(grid["rounds"], 20, "{grid}");
     let grid_rows = grid["rows"].as_array().unwrap();
-    let cpu = adapter().as_ref().unwrap().0 == wgpu::DeviceType::Cpu;
+    let ctx = smoe_engine::gpu::context().unwrap();
+    let cpu = ctx.info().adapter.device_type == wgpu::DeviceType::Cpu;
     assert_eq!(grid_rows.len(), if cpu { 0 } else { 4 }, "{grid}");
     assert_eq!(grid["skipped"].is_string(), cpu, "{grid}");
     // The chain of products as dispatches and as one persistent dispatch: timed on a GPU, the
@@ -266,11 +256,12 @@ fn bench_decode_streaming_reports_the_router_stops() {
     assert!(f("fill_s") >= f("upload_s"), "{v}");
     // Slots the host maps where the device offers it; on unified memory (lavapipe in CI) disk
     // reads land in them.
-    let (kind, features) = *adapter().as_ref().unwrap();
-    let mappable = features.contains(wgpu::Features::MAPPABLE_PRIMARY_BUFFERS);
+    let ctx = smoe_engine::gpu::context().unwrap();
+    let info = ctx.info();
+    let mappable = (info.features).contains(wgpu::Features::MAPPABLE_PRIMARY_BUFFERS);
     assert_eq!(s["mapped"].as_bool(), Some(mappable), "{v}");
     let unified = matches!(
-        kind,
+        info.adapter.device_type,
         wgpu::DeviceType::IntegratedGpu | wgpu::DeviceType::Cpu
     );
     assert_eq!(f("landed") > 0.0, mappable && unified, "{v}");

@@ -79,6 +79,14 @@ impl Grid {
         self.run.record(pass);
     }
 
+    /// Runs the dispatch once and returns its counters.
+    fn run(&self, ctx: &GpuContext) -> Result<GridRun, GpuError> {
+        let mut enc = ctx.encoder();
+        crate::gpu::in_pass(&mut enc, "grid sync", |pass| self.record(pass));
+        ctx.submit_wait(enc);
+        self.counters(ctx)
+    }
+
     fn counters(&self, ctx: &GpuContext) -> Result<GridRun, GpuError> {
         let c = ctx.read_u32(&self.sync, 0, 3)?;
         Ok(GridRun {
@@ -98,11 +106,15 @@ pub fn grid_sync_run(
     rounds: usize,
     spin_limit: u32,
 ) -> Result<GridRun, GpuError> {
-    let g = Grid::new(ctx, dispatched, groups, rounds, spin_limit)?;
-    let mut enc = ctx.encoder();
-    crate::gpu::in_pass(&mut enc, "grid sync", |pass| g.record(pass));
-    ctx.submit_wait(enc);
-    g.counters(ctx)
+    Grid::new(ctx, dispatched, groups, rounds, spin_limit)?.run(ctx)
+}
+
+/// Why the barrier benches measure nothing on this adapter, if they do not: on a CPU adapter
+/// (lavapipe) workgroups spinning on each other's counter lost arrivals without giving up and
+/// read stale values, so it says nothing of a GPU.
+pub(super) fn not_measured(ctx: &GpuContext) -> Option<&'static str> {
+    (ctx.info().adapter.device_type == wgpu::DeviceType::Cpu)
+        .then_some("not measured on a CPU adapter")
 }
 
 /// One workgroup count's result: `None` where its workgroups did not all run together.
@@ -130,10 +142,8 @@ const GROUPS: [usize; 4] = [32, 132, 264, 528];
 /// a single round, timed like every bench row (the difference over `rounds`). A count whose probe
 /// gives up is reported as not co-resident and not timed.
 pub fn grid_barrier(ctx: &GpuContext, rounds: usize) -> Result<GridBarrier, GpuError> {
-    if ctx.info().adapter.device_type == wgpu::DeviceType::Cpu {
-        // lavapipe ran workgroups that spin on each other's counter inconsistently (arrivals
-        // lost without a give-up, stale values after the barrier): no measurement of a GPU.
-        let skipped = Some("not measured on a CPU adapter");
+    if let Some(why) = not_measured(ctx) {
+        let skipped = Some(why);
         return Ok(GridBarrier {
             rounds,
             rows: vec![],
@@ -143,7 +153,9 @@ pub fn grid_barrier(ctx: &GpuContext, rounds: usize) -> Result<GridBarrier, GpuE
     let timer = Timer::new(ctx);
     let mut rows = vec![];
     for groups in GROUPS {
-        let probe = grid_sync_run(ctx, groups, groups, 1, SPIN_LIMIT)?;
+        // The one-round dispatch is also the probe of whether the workgroups run together.
+        let one = Grid::new(ctx, groups, groups, 1, SPIN_LIMIT)?;
+        let probe = one.run(ctx)?;
         if probe.gave_up > 0 {
             rows.push(GridBarrierRow {
                 groups,
@@ -152,7 +164,6 @@ pub fn grid_barrier(ctx: &GpuContext, rounds: usize) -> Result<GridBarrier, GpuE
             });
             continue;
         }
-        let one = Grid::new(ctx, groups, groups, 1, SPIN_LIMIT)?;
         let many = Grid::new(ctx, groups, groups, rounds + 1, SPIN_LIMIT)?;
         let t1 = timer.time(&|pass| one.record(pass))?;
         let tn = timer.time(&|pass| many.record(pass))?;

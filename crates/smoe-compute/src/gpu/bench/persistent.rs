@@ -2,7 +2,7 @@
 //! (`kernels/persist_matvec.wgsl`): what a persistent decode kernel would gain over the chain of
 //! dependent dispatches a decode layer is, measured on the same step code.
 
-use super::grid::SPIN_LIMIT;
+use super::grid::{not_measured, SPIN_LIMIT};
 use super::timer::Timer;
 use crate::gpu::buffers::Binding;
 use crate::gpu::context::{GpuContext, GpuError};
@@ -154,7 +154,7 @@ pub fn chain_weights(n: usize, seed: u64) -> Vec<u16> {
 /// all, so the weights come from memory), 128 workgroups.
 pub fn persistent_chain(ctx: &GpuContext) -> Result<PersistentBench, GpuError> {
     let (steps, groups) = (48, PERSIST_COLS / PERSIST_ROWS_PER_GROUP);
-    if ctx.info().adapter.device_type == wgpu::DeviceType::Cpu {
+    if let Some(why) = not_measured(ctx) {
         return Ok(PersistentBench {
             steps,
             groups,
@@ -162,7 +162,7 @@ pub fn persistent_chain(ctx: &GpuContext) -> Result<PersistentBench, GpuError> {
             persistent_us: None,
             early_us: None,
             max_rel_diff: 0.0,
-            skipped: Some("not measured on a CPU adapter"),
+            skipped: Some(why),
         });
     }
     let w = chain_weights(steps * PERSIST_COLS * PERSIST_COLS, 7);
