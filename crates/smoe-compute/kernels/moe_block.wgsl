@@ -23,7 +23,7 @@
 // The barrier: one atomic word, arrivals in its low 16 bits and a generation above. The last
 // arrival adds 2^16 − groups (count back to 0, generation + 1); the others poll until the
 // generation moves. So it needs no reset between dispatches. A workgroup that polls spin_limit
-// times gives up, counts itself in `sync[1]` (the host's fault flag: the results are then
+// times gives up, counts itself in `sync[0]` (the host's fault flag: the results are then
 // wrong and the request fails) and goes on.
 
 struct Params {
@@ -75,7 +75,7 @@ const LD: u32 = 8u;
 @group(0) @binding(5) var<storage, read_write> scratch: array<atomic<u32>>;
 @group(0) @binding(6) var<storage, read_write> ids: array<u32>;
 @group(0) @binding(7) var<storage, read_write> rw: array<f32>;
-// [0] the barrier word, [1] workgroups that gave up.
+// [0] workgroups that gave up (the fault count the host reads back), [1] the barrier word.
 @group(0) @binding(8) var<storage, read_write> sync: array<atomic<u32>>;
 
 var<workgroup> xs: array<vec4<f32>, XS_LEN>;
@@ -91,18 +91,18 @@ fn grid_barrier(li: u32) {
     // Publish this workgroup's writes device-wide before counting in.
     storageBarrier();
     if li == 0u {
-        let old = atomicAdd(&sync[0], 1u);
+        let old = atomicAdd(&sync[1], 1u);
         if (old & 0xffffu) + 1u == p.groups {
-            atomicAdd(&sync[0], 0x10000u - p.groups);
+            atomicAdd(&sync[1], 0x10000u - p.groups);
         } else {
             let gen = old >> 16u;
             var polls = 0u;
             loop {
-                if (atomicLoad(&sync[0]) >> 16u) != gen {
+                if (atomicLoad(&sync[1]) >> 16u) != gen {
                     break;
                 }
                 if polls >= p.spin_limit {
-                    atomicAdd(&sync[1], 1u);
+                    atomicAdd(&sync[0], 1u);
                     break;
                 }
                 polls++;

@@ -36,9 +36,9 @@ pub struct MoeBlockDesc<'a> {
     pub weights: BufRef<'a>,
 }
 
-/// The barrier word and the fault counter that every block of a model shares (16 bytes). A
-/// nonzero fault count means some block's workgroups stopped waiting for each other: that pass's
-/// results are wrong (`MoeBlock` describes the recovery).
+/// The fault count (word 0) and the barrier word (word 1) that every block of a model shares (16
+/// bytes). A nonzero fault count means some block's workgroups stopped waiting for each other:
+/// the results since the last `clear` are wrong, and the caller must fail them and `clear`.
 pub struct GridSync {
     buf: wgpu::Buffer,
 }
@@ -52,7 +52,12 @@ impl GridSync {
 
     /// Workgroups that gave up waiting since the last `clear` (a blocking read).
     pub fn faults(&self, ctx: &GpuContext) -> Result<u32, GpuError> {
-        Ok(ctx.read_u32(&self.buf, 0, 2)?[1])
+        Ok(ctx.read_u32(&self.buf, 0, 1)?[0])
+    }
+
+    /// The buffer, whose first u32 is the fault count (to copy beside a pass's results).
+    pub fn buffer(&self) -> &wgpu::Buffer {
+        &self.buf
     }
 
     /// Zeroes the barrier word and the fault count (ordered before the next submission).
