@@ -11,9 +11,9 @@
 //   G  every workgroup reads the logits and computes the same top-k (no tail, no third
 //      barrier), restages h for q4 and its subgroups take (slot, row) items: the gate and up
 //      rows of one expert, silu(g) · u into gu;
-//   D  every workgroup stages all k slots' gu and its subgroups take output rows: a row's
-//      lanes walk the (slot, chunk) pairs of all k experts' down rows, weighted by the router,
-//      and one lane adds the sum to x.
+//   D  its subgroups take output rows: a row's lanes walk the (slot, chunk) pairs of all k
+//      experts' down rows (gu staged a tile at a time), weighted by the router, and one lane
+//      adds the sum to x.
 // Cross-workgroup data (logits, gu) is written and read with atomics (coherent at L2, never a
 // stale per-core copy); x is read in R and written in D by the only invocation that owns the
 // row. Experts are q4 (chunks decoded two codes at a time, matvec.wgsl's DTYPE 6, `code_pair`
@@ -62,9 +62,21 @@ override K: u32 = 8u;     // top-k
 override NCH: u32 = H / 32u;
 override NCF: u32 = F / 32u;
 override NCR: u32 = H / 8u;
-// Staged vec4s: h (R: natural order; G: chunk-minor), or all k slots' gu (D).
-override XS_LEN: u32 = max(H, K * F) / 4u;
+// Staged vec4s: h (R: natural order; G: chunk-minor), or a tile of TC chunks of each of the k
+// slots' gu (D): as many chunks as fit beside h, at least one.
+override XS_LEN: u32 = max(H, K * 32u) / 4u;
+override TC: u32 = max(XS_LEN / (8u * K), 1u);
+// Loads a lane keeps in flight (private arrays need a constant size); the host picks the
+// override loop bounds below so that they fit: SS is the adapter's smallest subgroup size (a
+// larger one only leaves loaded slots unused), PG the chunks per lane of a gate/up row, UG the
+// gate/up items a subgroup loads together (UG · PG ≤ LD), PD the units per lane of a down row,
+// PR the chunks per lane of a router row.
 const LD: u32 = 8u;
+override SS: u32 = 32u;
+override PG: u32 = min((NCH + SS - 1u) / SS, LD);
+override UG: u32 = max(min(2u, LD / PG), 1u);
+override PD: u32 = min((K * NCF + SS - 1u) / SS, LD);
+override PR: u32 = min((NCR + SS - 1u) / SS, LD);
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> wr: array<vec4<u32>>;
@@ -112,6 +124,8 @@ fn grid_barrier(li: u32) {
     storageBarrier();
 }
 
+// Another workgroup's output, after the barrier: an atomic load (coherent at L2). Plain loads
+// read stale values on an H200 (the kernel test's x update off by NMSE 1.4e-4).
 fn f32_at(i: u32) -> f32 {
     return bitcast<f32>(atomicLoad(&scratch[i]));
 }
@@ -179,12 +193,24 @@ fn router(li: u32, gsg: u32, nsgs: u32, sg: u32, nsg: u32, lane: u32, ss: u32) {
     }
     workgroupBarrier();
     for (var r = gsg; r < E; r += nsgs) {
+        // All of a lane's chunks loaded before the products (PR of them; the rest after).
+        let rb = p.r_off + r * NCR;
+        var q: array<vec4<u32>, LD>;
+        for (var j = 0u; j < PR; j++) {
+            let c = lane + j * ss;
+            if c < NCR {
+                q[j] = wr[rb + c];
+            }
+        }
         var acc = 0.0;
-        for (var c = lane; c < NCR; c += ss) {
-            let q = wr[p.r_off + r * NCR + c];
-            let a = bitcast<vec4<f32>>(vec4<u32>(q.x << 16u, q.x & 0xffff0000u, q.y << 16u, q.y & 0xffff0000u));
-            let b = bitcast<vec4<f32>>(vec4<u32>(q.z << 16u, q.z & 0xffff0000u, q.w << 16u, q.w & 0xffff0000u));
-            acc += dot(a, xs[2u * c]) + dot(b, xs[2u * c + 1u]);
+        for (var j = 0u; j < PR; j++) {
+            let c = lane + j * ss;
+            if c < NCR {
+                acc += bf16_dot(q[j], c);
+            }
+        }
+        for (var c = lane + PR * ss; c < NCR; c += ss) {
+            acc += bf16_dot(wr[rb + c], c);
         }
         let t = subgroupAdd(acc);
         if lane == 0u {
@@ -193,7 +219,15 @@ fn router(li: u32, gsg: u32, nsgs: u32, sg: u32, nsg: u32, lane: u32, ss: u32) {
     }
 }
 
-// G: the top-k (every workgroup the same), h restaged chunk-minor, this workgroup's gate/up items.
+// Router chunk c (8 bf16) dotted with the natural-order h.
+fn bf16_dot(q: vec4<u32>, c: u32) -> f32 {
+    let a = bitcast<vec4<f32>>(vec4<u32>(q.x << 16u, q.x & 0xffff0000u, q.y << 16u, q.y & 0xffff0000u));
+    let b = bitcast<vec4<f32>>(vec4<u32>(q.z << 16u, q.z & 0xffff0000u, q.w << 16u, q.w & 0xffff0000u));
+    return dot(a, xs[2u * c]) + dot(b, xs[2u * c + 1u]);
+}
+
+// G: the top-k (every workgroup the same), h restaged chunk-minor, this workgroup's gate/up items,
+// UG at a time per subgroup: each lane loads its chunks of all of them before multiplying.
 fn gate_up(li: u32, wid: u32, gsg: u32, nsgs: u32, sg: u32, nsg: u32, lane: u32, ss: u32) {
     for (var e = li; e < E; e += WG) {
         tk_lg[e] = tk_clean(f32_at(p.logits_off + e));
@@ -208,67 +242,66 @@ fn gate_up(li: u32, wid: u32, gsg: u32, nsgs: u32, sg: u32, nsg: u32, lane: u32,
         xs[d] = h_at(natural(d % NCH, d / NCH));
     }
     workgroupBarrier();
-    // Chunks per lane of one row: all of them in flight before the products.
-    let per = (NCH + ss - 1u) / ss;
-    for (var it = gsg; it < K * F; it += nsgs) {
-        let slot = it / F;
-        let row = it % F;
-        let g = p.gate_off + tk_id[slot] * p.mat_stride + row * p.gu_row;
-        let u = g + p.up_off;
+    for (var i0 = gsg * UG; i0 < K * F; i0 += nsgs * UG) {
         var qg: array<vec4<u32>, LD>;
         var qu: array<vec4<u32>, LD>;
         var pg: array<u32, LD>;
         var pu: array<u32, LD>;
-        for (var j = 0u; j < per && j < LD; j++) {
-            let c = lane + j * ss;
-            if c < NCH {
-                qg[j] = we[g + c];
-                qu[j] = we[u + c];
-                pg[j] = word(g, p.gu_pw + c / 4u);
-                pu[j] = word(u, p.gu_pw + c / 4u);
+        var g: array<u32, LD>;
+        for (var u = 0u; u < UG; u++) {
+            let it = min(i0 + u, K * F - 1u);
+            g[u] = p.gate_off + tk_id[it / F] * p.mat_stride + (it % F) * p.gu_row;
+            for (var j = 0u; j < PG; j++) {
+                let c = lane + j * ss;
+                if c < NCH {
+                    qg[u * PG + j] = we[g[u] + c];
+                    qu[u * PG + j] = we[g[u] + p.up_off + c];
+                    pg[u * PG + j] = word(g[u], p.gu_pw + c / 4u);
+                    pu[u * PG + j] = word(g[u] + p.up_off, p.gu_pw + c / 4u);
+                }
             }
         }
-        var sg_ = 0.0;
-        var su = 0.0;
-        for (var j = 0u; j < per && j < LD; j++) {
-            let c = lane + j * ss;
-            if c < NCH {
-                sg_ += q4_dot(qg[j], pg[j], c, c, NCH);
-                su += q4_dot(qu[j], pu[j], c, c, NCH);
+        for (var u = 0u; u < UG; u++) {
+            var a = 0.0;
+            var b = 0.0;
+            for (var j = 0u; j < PG; j++) {
+                let c = lane + j * ss;
+                if c < NCH {
+                    a += q4_dot(qg[u * PG + j], pg[u * PG + j], c, c, NCH);
+                    b += q4_dot(qu[u * PG + j], pu[u * PG + j], c, c, NCH);
+                }
             }
-        }
-        // Rows wider than LD · ss chunks: the rest one chunk at a time.
-        for (var c = lane + LD * ss; c < NCH; c += ss) {
-            sg_ += q4_dot(we[g + c], word(g, p.gu_pw + c / 4u), c, c, NCH);
-            su += q4_dot(we[u + c], word(u, p.gu_pw + c / 4u), c, c, NCH);
-        }
-        let a = subgroupAdd(sg_);
-        let b = subgroupAdd(su);
-        if lane == 0u {
-            atomicStore(&scratch[p.gu_off + it], bitcast<u32>(a / (1.0 + exp(-a)) * b));
+            // Rows wider than the chunks loaded up front: the rest one chunk at a time.
+            for (var c = lane + PG * ss; c < NCH; c += ss) {
+                a += q4_dot(we[g[u] + c], word(g[u], p.gu_pw + c / 4u), c, c, NCH);
+                b += q4_dot(we[g[u] + p.up_off + c], word(g[u] + p.up_off, p.gu_pw + c / 4u), c, c, NCH);
+            }
+            a = subgroupAdd(a);
+            b = subgroupAdd(b);
+            if lane == 0u && i0 + u < K * F {
+                atomicStore(&scratch[p.gu_off + i0 + u], bitcast<u32>(a / (1.0 + exp(-a)) * b));
+            }
         }
     }
 }
 
-// D: every slot's gu staged chunk-minor, this workgroup's output rows of the weighted down sum.
+// D: this workgroup's output rows of the weighted down sum. A row's units are its (slot, chunk)
+// pairs, K · NCF of them over the lanes; each lane loads all of its units' codes first, then the
+// slots' gu is staged (chunk-minor) TC chunks per slot at a time — all k slots at once would
+// take 24 KiB of workgroup memory for 30B-A3B, and two such workgroups did not fit an H200 SM —
+// and each lane multiplies the units of the staged tile. Rows go round-robin in uniform rounds,
+// so that every subgroup meets the staging barriers.
 fn down(li: u32, gsg: u32, nsgs: u32, lane: u32, ss: u32) {
-    for (var d = li; d < K * 8u * NCF; d += WG) {
-        let k = d % NCF;
-        let i = (d / NCF) % 8u;
-        let slot = d / (8u * NCF);
-        let b = p.gu_off + slot * F + 4u * natural(k, i);
-        xs[d] = vec4<f32>(f32_at(b), f32_at(b + 1u), f32_at(b + 2u), f32_at(b + 3u));
-    }
-    workgroupBarrier();
-    // A row's units are (slot, chunk) pairs: K · NCF of them over the lanes.
     let units = K * NCF;
-    let per = (units + ss - 1u) / ss;
-    for (var row = gsg; row < H; row += nsgs) {
+    let rounds = (H + nsgs - 1u) / nsgs;
+    for (var rr = 0u; rr < rounds; rr++) {
+        let row = rr * nsgs + gsg;
+        let live = row < H;
         var q: array<vec4<u32>, LD>;
         var pw: array<u32, LD>;
-        for (var j = 0u; j < per && j < LD; j++) {
+        for (var j = 0u; j < PD; j++) {
             let n = lane + j * ss;
-            if n < units {
+            if live && n < units {
                 let rb = p.down_off + tk_id[n / NCF] * p.mat_stride + row * p.dn_row;
                 let c = n % NCF;
                 q[j] = we[rb + c];
@@ -276,23 +309,41 @@ fn down(li: u32, gsg: u32, nsgs: u32, lane: u32, ss: u32) {
             }
         }
         var acc = 0.0;
-        for (var j = 0u; j < per && j < LD; j++) {
-            let n = lane + j * ss;
-            if n < units {
+        for (var t0 = 0u; t0 < NCF; t0 += TC) {
+            let tc = min(TC, NCF - t0);
+            // Nobody may still read the previous tile.
+            workgroupBarrier();
+            for (var d = li; d < K * 8u * tc; d += WG) {
+                let k = t0 + d % tc;
+                let i = (d / tc) % 8u;
+                let slot = d / (8u * tc);
+                let b = p.gu_off + slot * F + 4u * natural(k, i);
+                xs[(slot * 8u + i) * TC + k - t0] = vec4<f32>(f32_at(b), f32_at(b + 1u), f32_at(b + 2u), f32_at(b + 3u));
+            }
+            workgroupBarrier();
+            for (var j = 0u; j < PD; j++) {
+                let n = lane + j * ss;
+                let c = n % NCF;
+                if live && n < units && c >= t0 && c < t0 + tc {
+                    let slot = n / NCF;
+                    acc += tk_w[slot] * q4_dot(q[j], pw[j], c, slot * 8u * TC + c - t0, TC);
+                }
+            }
+            // Units past the ones loaded up front (rows wider than LD · SS units).
+            for (var n = lane + PD * ss; live && n < units; n += ss) {
                 let slot = n / NCF;
                 let c = n % NCF;
-                acc += tk_w[slot] * q4_dot(q[j], pw[j], c, slot * 8u * NCF + c, NCF);
+                if c >= t0 && c < t0 + tc {
+                    let rb = p.down_off + tk_id[slot] * p.mat_stride + row * p.dn_row;
+                    acc += tk_w[slot] * q4_dot(we[rb + c], word(rb, p.dn_pw + c / 4u), c, slot * 8u * TC + c - t0, TC);
+                }
             }
         }
-        for (var n = lane + LD * ss; n < units; n += ss) {
-            let slot = n / NCF;
-            let c = n % NCF;
-            let rb = p.down_off + tk_id[slot] * p.mat_stride + row * p.dn_row;
-            acc += tk_w[slot] * q4_dot(we[rb + c], word(rb, p.dn_pw + c / 4u), c, slot * 8u * NCF + c, NCF);
-        }
-        let t = subgroupAdd(acc);
-        if lane == 0u {
-            x[p.x_off + row] += t;
+        if live {
+            let t = subgroupAdd(acc);
+            if lane == 0u {
+                x[p.x_off + row] += t;
+            }
         }
     }
 }

@@ -101,9 +101,9 @@ const SPIN_LIMIT: u32 = 1 << 24;
 const PROBE_SPIN_LIMIT: u32 = 1 << 14;
 /// Environment override of the workgroup count tried first (`bench` experiments).
 pub const GROUPS_ENV: &str = "SMOE_MOE_GROUPS";
-/// The workgroup count tried first on a GPU: two per SM of an H200 (132 SMs). Halved until the
+/// The workgroup count tried first on a GPU: four per SM of an H200 (132 SMs). Halved until the
 /// probe finds them all running together.
-const DEFAULT_GROUPS: usize = 264;
+const DEFAULT_GROUPS: usize = 528;
 const WG: usize = 256;
 
 /// One MoE block, recorded as one dispatch.
@@ -153,8 +153,8 @@ impl MoeBlock {
             )));
         }
         let ss = ctx.info().adapter.subgroup_min_size.max(1) as usize;
-        // Staged inputs (the larger of h and all k slots' gu) and the kernel's other arrays.
-        let wg_bytes = 4 * h.max(k * f) + 4 * e + 8 * k + 1024;
+        // Staged inputs (h, or a tile of the k slots' gu) and the kernel's other arrays.
+        let wg_bytes = 4 * h.max(32 * k) + 4 * e + 8 * k + 1024;
         let have = ctx.limits().max_compute_workgroup_storage_size as usize;
         if wg_bytes > have || WG / ss > 64 {
             return Err(err(format!(
@@ -179,6 +179,7 @@ impl MoeBlock {
                 ("F", f as f64),
                 ("E", e as f64),
                 ("K", k as f64),
+                ("SS", ss as f64),
             ],
         )?;
         let vec4 = |b: u64| -> Result<u32, GpuError> {
@@ -256,7 +257,7 @@ impl MoeBlock {
             )?;
             Ok((pbuf, bind))
         };
-        let key = format!("{}:{h}:{f}:{e}:{k}", kernel_name(ctx));
+        let key = format!("{}:{h}:{f}:{e}:{k}:{ss}", kernel_name(ctx));
         let groups = match cached_groups(&key) {
             Some(g) => g,
             None => {

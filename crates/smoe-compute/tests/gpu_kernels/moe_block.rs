@@ -207,6 +207,8 @@ fn moe_block_refuses_what_it_cannot_run() {
     let sync = GridSync::new(ctx);
     let buf = ctx.storage_buffer("weights", 1 << 20);
     let x = ctx.storage_buffer("x", 4096);
+    let nw = ctx.storage_buffer("norm", 4096);
+    let ids = ctx.storage_buffer("ids", 4096);
     let w = |dtype, rows, cols| WeightRef {
         buffer: &buf,
         offset: 0,
@@ -216,7 +218,7 @@ fn moe_block_refuses_what_it_cannot_run() {
     };
     let base = MoeBlockDesc {
         x: BufRef::new(&x),
-        norm: BufRef::new(&x),
+        norm: BufRef::new(&nw),
         eps: 1e-6,
         router: w(DType::Bf16, 8, 256),
         gate: w(DType::Q4, 64, 256),
@@ -225,8 +227,8 @@ fn moe_block_refuses_what_it_cannot_run() {
         stride: 1 << 16,
         k: 2,
         normalize: false,
-        ids: BufRef::new(&x),
-        weights: BufRef::at(&x, 64),
+        ids: BufRef::new(&ids),
+        weights: BufRef::at(&ids, 64),
     };
     let q8 = MoeBlockDesc {
         gate: w(DType::Q8, 64, 256),
