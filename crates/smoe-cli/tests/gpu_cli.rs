@@ -127,6 +127,8 @@ fn bench_kernels_reports_ratios_to_copy() {
     // persistent runs' outputs equal to the dispatches' (or not co-resident: null).
     let chain = &v["persistent_chain"];
     assert_eq!(chain["skipped"].is_string(), cpu, "{chain}");
+    // Nothing measured on a CPU adapter: null, not a number.
+    assert_eq!(chain["dispatch_us_per_step"].is_null(), cpu, "{chain}");
     if !cpu {
         assert!(
             chain["dispatch_us_per_step"].as_f64().unwrap() > 0.0,

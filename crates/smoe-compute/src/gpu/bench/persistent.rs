@@ -133,8 +133,9 @@ pub struct PersistentBench {
     pub steps: usize,
     pub groups: usize,
     /// µs per step: a dispatch per step; one persistent dispatch; the same with each step's
-    /// weights loaded before its wait. `None` where the workgroups did not all run together.
-    pub dispatch_us: f64,
+    /// weights loaded before its wait. `None` where nothing was measured (`skipped`), and for
+    /// the persistent two where the workgroups did not all run together.
+    pub dispatch_us: Option<f64>,
     pub persistent_us: Option<f64>,
     pub early_us: Option<f64>,
     /// Largest |Δ| of the persistent runs' outputs from the dispatch chain's, relative to the
@@ -158,7 +159,7 @@ pub fn persistent_chain(ctx: &GpuContext) -> Result<PersistentBench, GpuError> {
         return Ok(PersistentBench {
             steps,
             groups,
-            dispatch_us: 0.0,
+            dispatch_us: None,
             persistent_us: None,
             early_us: None,
             max_rel_diff: 0.0,
@@ -172,7 +173,7 @@ pub fn persistent_chain(ctx: &GpuContext) -> Result<PersistentBench, GpuError> {
     let timer = Timer::new(ctx);
     let chain = Chain::new(ctx, ChainMode::Dispatches, groups, steps, &w, &x0)?;
     let (want, _) = chain.run(ctx)?;
-    let dispatch_us = timer.time(&|pass| chain.record(pass))? / steps as f64 * 1e6;
+    let dispatch_us = Some(timer.time(&|pass| chain.record(pass))? / steps as f64 * 1e6);
     let scale = want
         .iter()
         .fold(0f32, |m, v| m.max(v.abs()))
@@ -219,7 +220,7 @@ impl fmt::Display for PersistentBench {
             f,
             "{:.2} µs per step as dependent dispatches, {} in one persistent dispatch, {} with \
              each step's weights loaded before its barrier (outputs within {:.1e})",
-            self.dispatch_us,
+            self.dispatch_us.unwrap_or(f64::NAN),
             us(self.persistent_us),
             us(self.early_us),
             self.max_rel_diff
