@@ -9,8 +9,6 @@ mod attention;
 mod matmul;
 #[path = "gpu_kernels/matvec.rs"]
 mod matvec;
-#[path = "gpu_kernels/moe_block.rs"]
-mod moe_block;
 #[path = "gpu_kernels/msl.rs"]
 mod msl;
 #[path = "gpu_kernels/ops.rs"]

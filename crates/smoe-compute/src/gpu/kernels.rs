@@ -63,17 +63,6 @@ const KERNELS: &[(&str, &str, &[Fragment])] = &[
         include_str!("../../kernels/matvec.wgsl"),
         &[CODE_PAIR_F16, TOPK],
     ),
-    // One decode token's MoE block in one dispatch (`MoeBlock`), with and without f16.
-    (
-        "moe_block",
-        include_str!("../../kernels/moe_block.wgsl"),
-        &[CODE_PAIR_F32, TOPK],
-    ),
-    (
-        "moe_block_f16",
-        include_str!("../../kernels/moe_block.wgsl"),
-        &[CODE_PAIR_F16, TOPK],
-    ),
     (
         "matmul",
         include_str!("../../kernels/matmul.wgsl"),

@@ -23,7 +23,6 @@ mod kernels;
 mod launch;
 mod matmul;
 mod matvec;
-mod moe_block;
 mod ops;
 mod parts;
 mod router;
@@ -45,7 +44,6 @@ pub use matvec::{
     Fuse, Grouped, MatVec, MatVecDesc, MatVecTuning, Q4Decode, RouteTail, SumTail, WeightRef,
     NT_MAX,
 };
-pub use moe_block::{GridSync, MoeBlock, MoeBlockDesc, GROUPS_ENV as MOE_GROUPS_ENV};
 pub use ops::{Argmax, EltOp, Eltwise, RmsNorm, WeightedSum};
 pub use router::Router;
 pub use slot_map::{SlotMap, SlotMapBufs, NO_SLOT};

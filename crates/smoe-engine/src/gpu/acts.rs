@@ -5,7 +5,7 @@
 //! written binding may not alias another binding).
 
 use super::{LOGIT_ROWS, T_MAX};
-use smoe_compute::gpu::{wgpu, BufRef, GpuContext, GridSync};
+use smoe_compute::gpu::{wgpu, BufRef, GpuContext};
 use smoe_vault::ModelConfig;
 
 /// The widths a forward pass needs, from the config.
@@ -63,8 +63,6 @@ pub(crate) struct Acts {
     pub logits: wgpu::Buffer,
     /// The greedy token id (u32).
     pub argmax: wgpu::Buffer,
-    /// The grid barrier of every layer's `MoeBlock` and its fault count.
-    pub grid: GridSync,
 }
 
 impl Acts {
@@ -96,7 +94,6 @@ impl Acts {
             ones: ctx.upload_f32("ones", &[1.0; T_MAX]),
             logits: f("logits", LOGIT_ROWS * d.vocab),
             argmax: f("argmax", 1),
-            grid: GridSync::new(ctx),
             d,
         }
     }

@@ -23,11 +23,11 @@
 use super::acts::Acts;
 use super::gpu_err;
 use super::record::{Dispatch, Recorder};
-use super::weights::{ExpertStack, FfnW, LayerW, Mlp, Packed};
+use super::weights::{FfnW, LayerW, Mlp, Packed};
 use crate::error::EngineError;
 use smoe_compute::gpu::{
     wgpu, BufRef, EltOp, Eltwise, ExpertSort, Fuse, GpuContext, Grouped, MatMul, MatMulDesc,
-    MatMulGrouped, MatMulTuning, MatVec, MatVecDesc, MoeBlock, MoeBlockDesc, RmsNorm, RouteTail, Router, SumTail,
+    MatMulGrouped, MatMulTuning, MatVec, MatVecDesc, RmsNorm, RouteTail, Router, SumTail,
     WeightRef, WeightedSum,
 };
 use smoe_vault::ModelConfig;
@@ -105,14 +105,6 @@ pub(crate) struct LayerOps {
     /// this layer's normed input, into `Acts::ahead` — a prediction of the experts it will
     /// want, so their reads can start while this layer's run.
     pub lookahead: Vec<Op>,
-}
-
-/// `SMOE_MOE_BLOCK=0` records decode MoE blocks as the chain of matvecs (router with its top-k,
-/// gate_up, down with its sum) instead of one `MoeBlock` dispatch: for A/B measurements.
-pub const MOE_BLOCK_ENV: &str = "SMOE_MOE_BLOCK";
-
-fn moe_block_on() -> bool {
-    std::env::var(MOE_BLOCK_ENV).map_or(true, |v| v != "0")
 }
 
 /// Batches at least this large take the GEMM path.
@@ -329,48 +321,6 @@ impl B<'_> {
         self.mv(step, w, None, y, BufRef::new(&self.a.x), None, fuse)
     }
 
-    /// One token's whole MoE block — norm, router, top-k, experts, weighted sum — as one
-    /// dispatch (`MoeBlock`: ~3 µs less per dependent dispatch it replaces on an H200) where it
-    /// can run: one token, resident q4 experts, a bf16 router, the norm fused (no shared
-    /// expert), no lookahead, and `SMOE_MOE_BLOCK` not `0`. `None`: record the chain of matvecs.
-    fn moe_block(
-        &self,
-        router: &Packed,
-        e: &ExpertStack,
-        input: Input,
-        k: usize,
-        lookahead: bool,
-    ) -> Option<Op> {
-        let Input::Fused(norm, eps) = input else {
-            return None;
-        };
-        if self.n != 1 || !e.resident || lookahead || !moe_block_on() {
-            return None;
-        }
-        let a = self.a;
-        let desc = MoeBlockDesc {
-            x: BufRef::new(&a.x),
-            norm,
-            eps,
-            router: router.w(0),
-            gate: e.gate.on(&e.buf),
-            up_offset: e.up_offset,
-            down: e.down.on(&e.buf),
-            stride: e.stride,
-            k,
-            normalize: self.norm_topk,
-            ids: BufRef::new(&a.ids),
-            weights: BufRef::new(&a.rw),
-        };
-        match MoeBlock::new(self.ctx, &desc, &a.grid) {
-            Ok(block) => Some(Op::new("moe block", block)),
-            Err(err) => {
-                tracing::debug!("MoE block as a chain of matvecs: {err}");
-                None
-            }
-        }
-    }
-
     /// The input of a block: a separate norm into `hn` (pushed to `ops`), or fused.
     fn input<'w>(
         &self,
@@ -543,16 +493,6 @@ impl LayerOps {
                          (use --backend cpu)",
                         smoe_compute::gpu::NT_MAX
                     )));
-                }
-                if let Some(block) = b.moe_block(router, e, input, k, next_router.is_some()) {
-                    post.push(block);
-                    return Ok(LayerOps {
-                        pre,
-                        post,
-                        experts_at: None,
-                        expert_rounds: None,
-                        lookahead,
-                    });
                 }
                 let (rlog, ids, rw) = (
                     BufRef::new(&a.rlog),

@@ -3,7 +3,7 @@
 
 use smoe_compute::gpu::{
     wgpu, Argmax, DecodeAttention, Eltwise, EmbedGather, ExpertSort, IndirectArgs, Launch, MatMul,
-    MatVec, MoeBlock, QkNormRope, RmsNorm, Router, SlotMap, Timestamps, WeightedSum,
+    MatVec, QkNormRope, RmsNorm, Router, SlotMap, Timestamps, WeightedSum,
 };
 
 /// A prepared dispatch (or a few) that records into a compute pass.
@@ -22,7 +22,6 @@ macro_rules! dispatch {
 }
 dispatch!(
     MatVec,
-    MoeBlock,
     MatMul,
     ExpertSort,
     RmsNorm,

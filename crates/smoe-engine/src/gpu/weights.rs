@@ -85,8 +85,6 @@ pub(crate) struct ExpertStack {
     pub slots: usize,
     /// The host can map `buf` to write blobs into it (streaming; `gpu::slots`).
     pub mappable: bool,
-    /// Every expert is in `buf` at its own index, loaded once (not streaming).
-    pub resident: bool,
 }
 
 pub(crate) enum FfnW {
@@ -261,7 +259,6 @@ impl Loader<'_> {
             n,
             slots,
             mappable,
-            resident: self.slots.is_none(),
         })
     }
 

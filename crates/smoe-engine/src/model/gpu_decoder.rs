@@ -70,9 +70,6 @@ pub struct GpuDecoder {
     chain: Option<Chain>,
     /// Dropped sequences' KV caches, reused by the next sequence of the same capacity.
     kv_pool: Arc<KvPool>,
-    /// Some layer runs its decode MoE block as one dispatch of co-resident workgroups
-    /// (`MoeBlock`): every read-back then carries the grid barrier's fault count.
-    blocks: bool,
 }
 
 /// What a greedy chain adds: the embedding gather from the argmax, and two read-back buffers
@@ -348,19 +345,12 @@ impl GpuDecoder {
                 .collect::<Result<Vec<_>, _>>()?;
             batches.push((layers, Head::new(ctx, &weights, &acts, eps, n)?));
         }
-        let blocks = (batches.iter().flat_map(|(layers, _)| layers))
-            .any(|l| l.post.iter().any(|op| op.step == "moe block"));
-        if blocks {
-            tracing::info!("GPU: each decode MoE block runs as one dispatch (SMOE_MOE_BLOCK=0: as a chain)");
-        }
         Ok(GpuDecoder {
-            blocks,
             id: IDS.fetch_add(1, Ordering::Relaxed),
             embed: vault.tensor("model.embed_tokens.weight")?,
             step: ctx.step_buffer(),
             rope_scale: rope.scale(),
-            // (+ 16 bytes: the grid barrier's fault count after the results.)
-            readback: Readback::new(ctx, 4 * (LOGIT_ROWS * cfg.vocab_size) as u64 + 16),
+            readback: Readback::new(ctx, 4 * (LOGIT_ROWS * cfg.vocab_size) as u64),
             running: Mutex::new(Vec::with_capacity(T_MAX * cfg.hidden_size)),
             experts,
             streaming,
@@ -625,36 +615,8 @@ impl GpuDecoder {
         };
         if bytes > 0 {
             self.readback.copy(enc, src, bytes);
-            if self.blocks {
-                self.readback
-                    .copy_at(enc, self.acts.grid.buffer(), bytes.next_multiple_of(4), 4);
-            }
         }
         bytes
-    }
-
-    /// Fails the pass (and clears the count) when a MoE block's workgroups gave up waiting
-    /// for each other: its results are wrong.
-    fn grid_faults(&self, faults: u32) -> Result<(), EngineError> {
-        if faults == 0 {
-            return Ok(());
-        }
-        self.acts.grid.clear(&self.ctx);
-        Err(EngineError::Backend(format!(
-            "GPU: {faults} workgroups of a decode MoE block stopped waiting for the others (they \
-             did not all run at once), so this pass's results are wrong; {}=0 runs the block as \
-             a chain of dispatches",
-            crate::gpu::MOE_BLOCK_ENV
-        )))
-    }
-
-    /// A blocking read of the fault count (after a greedy chain, whose read-backs are the ids).
-    fn check_grid(&self) -> Result<(), EngineError> {
-        if !self.blocks {
-            return Ok(());
-        }
-        let faults = self.acts.grid.faults(&self.ctx).map_err(gpu::gpu_err)?;
-        self.grid_faults(faults)
     }
 
     /// After the submission that copied it (`copy_result`): the greedy id, or the logits
@@ -668,21 +630,14 @@ impl GpuDecoder {
         if bytes == 0 {
             return Ok(None);
         }
-        let u32_at = |b: &[u8], i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
-        let at = bytes.next_multiple_of(4);
-        let len = if self.blocks { at + 4 } else { bytes };
-        let (id, faults) = self.readback.read(&self.ctx, len, |b| {
-            let faults = if self.blocks { u32_at(b, at as usize) } else { 0 };
-            match end {
-                End::Greedy => (Some(u32_at(b, 0)), faults),
-                _ => {
-                    gpu::extend_f32(out, &b[..bytes as usize]);
-                    (None, faults)
-                }
-            }
-        })?;
-        self.grid_faults(faults)?;
-        Ok(id)
+        if end == End::Greedy {
+            return Ok(Some(self.readback.read(&self.ctx, 4, |b| {
+                u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+            })?));
+        }
+        self.readback
+            .read(&self.ctx, bytes, |b| gpu::extend_f32(out, b))?;
+        Ok(None)
     }
 
     /// Records layers `from..` of a batch of n tokens until the pass's end, a submission
@@ -781,8 +736,6 @@ impl GpuDecoder {
                 fed.push(id);
             }
         }
-        // The faults of the whole chain (the read is queued after every pass of it).
-        self.check_grid()?;
         Ok(Some(fed))
     }
 
