@@ -16,15 +16,18 @@ const DECODE_ROTATE_BYTES: u64 = 100 << 20;
 
 /// Deterministic values in [-1, 1): timing does not depend on them, but NaN or denormals might.
 pub(super) fn filler(n: usize, seed: u64) -> Vec<f32> {
+    filler_iter(seed).take(n).collect()
+}
+
+/// `filler`'s values one at a time (for callers that keep only a conversion of them).
+pub(super) fn filler_iter(seed: u64) -> impl Iterator<Item = f32> {
     let mut s = seed | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
+    std::iter::repeat_with(move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    })
 }
 
 /// The rows of one attention shape, and the errors of the kernels that could not run.
