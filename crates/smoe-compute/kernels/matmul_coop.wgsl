@@ -1,5 +1,9 @@
 enable f16;
 enable wgpu_cooperative_matrix;
+// The K split's epilogue (`park`) branches on the subgroup id around cooperative operations:
+// only the subgroup must agree on those, which naga's uniformity analysis (workgroup-wide, under
+// the derivative rule) cannot see.
+diagnostic(off, derivative_uniformity);
 
 // Token-batched quantized matrix multiply for prefill on the matrix units (tensor cores):
 // matmul.wgsl's products (dense, GATED, GROUPED by expert; same Params, bindings and work list)
@@ -20,8 +24,9 @@ enable wgpu_cooperative_matrix;
 //
 // Tile: 128 weight rows × BN tokens, BK-position K-steps (64 by default: 3,664 against 3,368
 // tok/s with 32 for the H200's 30B q4 prefill). The tile's 8 row blocks of 16 rows are shared by
-// the workgroup's subgroups, RB each: subgroup s owns row block s (and s + 4 with RB = 2) across
-// all the tile's token blocks. GATED, the tile's first 64 rows are gate rows and the next 64 the
+// the workgroup's subgroups: with RB = 2 (dense bf16, 4 subgroups) subgroup s owns row blocks s
+// and s + 4 across all the tile's token blocks; otherwise (8 subgroups, KSPLIT below) subgroups
+// s and s + 4 both own row blocks s % 4 and s % 4 + 4 and split each K-step between them. GATED, the tile's first 64 rows are gate rows and the next 64 the
 // same rows' up weights. Per K-step the weight tile is dequantized once into workgroup memory as
 // f16 (row-major) and the x tile staged beside it (token-major, i.e. the B operand
 // column-major); for bf16 the next step's raw bytes are loaded into registers before the current
@@ -32,7 +37,8 @@ enable wgpu_cooperative_matrix;
 // instead of 4. Measured on the H200 (pp512 shapes, µs, against RB = 2): q4 experts gate_up
 // 728.9 → 632.9, down 404.0 → 362.5, q_proj 125.7 → 118.3; bf16 gate_up 727.6 → 696.4, down
 // 410.5 → 389.3, but bf16 q_proj 107.0 → 137.8, so dense bf16 (the one case with PREFETCH and
-// a full token tile) keeps RB = 2. The engine's pp512 (q4): 5,390 → 5,872–5,935 tok/s.
+// a full token tile) keeps RB = 2. The engine's pp512 (q4): 5,390 → 5,872–5,935 tok/s. (That
+// was before the K split, which since has each B tile read by 4 of the 8 subgroups again.)
 
 override DTYPE: u32 = 2u; // 0 bf16, 1 q8, 2 q4, 3 q2
 override BN: u32 = 64u;   // tokens per tile: 16, 32, 48 or 64
@@ -43,6 +49,16 @@ override BK: u32 = 32u; // step positions per K-step: 32 or 64
 // Row blocks per subgroup (see above) and invocations per workgroup.
 override RB: u32 = select(1u, 2u, DTYPE == 0u && !GROUPED);
 override WG: u32 = 256u / RB;
+// K split (every product with RB = 1, i.e. all but dense bf16): subgroups s and s + 4 own the
+// same two row blocks (s % 4 and s % 4 + 4) and take alternate 16-position substeps of every
+// K-step, so that each B tile (x's two halves) is loaded from workgroup memory by 4 subgroups
+// instead of 8 and each A tile feeds twice the multiply-adds: 4 + 4·NB cooperative loads per
+// subgroup and step instead of 4 + 8·NB, for the same multiply-adds. The two halves' sums are
+// added before they are written. H200, pp512 shapes, µs (same run, without → with): q4 experts
+// gate_up 628.3 → 559.1, Zipf 732.3 → 666.8, down 359.6 → 338.2, q_proj 112.3 → 96.9, qkv
+// 165.4 → 142.5; q8 and q2 alike. The engine's pp512 (q4): 6,145 and 6,136 → 6,607 and 6,635
+// tok/s. Dense bf16 with 8 subgroups and the split: q_proj 117.9 against 107.0 for RB = 2.
+override KSPLIT: bool = RB == 1u;
 // Output rows per tile.
 override OR: u32 = select(BM, BM / 2u, GATED);
 // Token blocks of 16.
@@ -226,7 +242,11 @@ fn main(
     workgroupBarrier();
     // Token blocks past the tile's valid tokens are skipped (uniform: nvalid is).
     let nb = min(NB, (nvalid + 15u) / 16u);
-    // g: row block s's sums per token block; h: row block s + 4's (RB = 2).
+    // g: row block rs's sums per token block; h: row block rs + 4's (RB = 2 or KSPLIT).
+    let two = RB == 2u || KSPLIT;
+    let rs = select(sgid, sgid % 4u, KSPLIT);
+    let kh = select(0u, sgid / 4u, KSPLIT);
+    let kstep = select(16u, 32u, KSPLIT);
     var g0 = coop_mat16x16<f32, C>();
     var g1 = coop_mat16x16<f32, C>();
     var g2 = coop_mat16x16<f32, C>();
@@ -249,13 +269,14 @@ fn main(
         if PREFETCH && c0 + BK < p.cols {
             load_step(li, c0 + BK, wbase, r0);
         }
-        for (var kk = 0u; kk < BK; kk += 16u) {
+        for (var kb = 0u; kb < BK; kb += kstep) {
             // (Every index a `let` of its own: naga's SPIR-V writer wants them evaluated.)
-            let ia = 16u * sgid * TS + kk;
-            let ib = (64u + 16u * sgid) * TS + kk;
+            let kk = kb + 16u * kh;
+            let ia = 16u * rs * TS + kk;
+            let ib = (64u + 16u * rs) * TS + kk;
             let a0 = coopLoadT<coop_mat16x16<f16, A>>(&ws[ia / 2u], ts);
             var a1 = a0;
-            if RB == 2u {
+            if two {
                 a1 = coopLoadT<coop_mat16x16<f16, A>>(&ws[ib / 2u], ts);
             }
             let i0 = kk;
@@ -263,7 +284,7 @@ fn main(
             let l0 = coopLoad<coop_mat16x16<f16, B>>(&xl[i0 / 2u], ts);
             g0 = coopMultiplyAdd(a0, b0, g0);
             g0 = coopMultiplyAdd(a0, l0, g0);
-            if RB == 2u {
+            if two {
                 h0 = coopMultiplyAdd(a1, b0, h0);
                 h0 = coopMultiplyAdd(a1, l0, h0);
             }
@@ -273,7 +294,7 @@ fn main(
                 let l1 = coopLoad<coop_mat16x16<f16, B>>(&xl[i1 / 2u], ts);
                 g1 = coopMultiplyAdd(a0, b1, g1);
                 g1 = coopMultiplyAdd(a0, l1, g1);
-                if RB == 2u {
+                if two {
                     h1 = coopMultiplyAdd(a1, b1, h1);
                     h1 = coopMultiplyAdd(a1, l1, h1);
                 }
@@ -284,7 +305,7 @@ fn main(
                 let l2 = coopLoad<coop_mat16x16<f16, B>>(&xl[i2 / 2u], ts);
                 g2 = coopMultiplyAdd(a0, b2, g2);
                 g2 = coopMultiplyAdd(a0, l2, g2);
-                if RB == 2u {
+                if two {
                     h2 = coopMultiplyAdd(a1, b2, h2);
                     h2 = coopMultiplyAdd(a1, l2, h2);
                 }
@@ -295,7 +316,7 @@ fn main(
                 let l3 = coopLoad<coop_mat16x16<f16, B>>(&xl[i3 / 2u], ts);
                 g3 = coopMultiplyAdd(a0, b3, g3);
                 g3 = coopMultiplyAdd(a0, l3, g3);
-                if RB == 2u {
+                if two {
                     h3 = coopMultiplyAdd(a1, b3, h3);
                     h3 = coopMultiplyAdd(a1, l3, h3);
                 }
@@ -304,40 +325,53 @@ fn main(
     }
     // Token block by token block, the subgroups park their sums in cs, then the workgroup
     // writes them out.
-    let cg = 256u * sgid;
-    let ch = cg + 1024u;
-    let s16 = 16u;
-    coopStore(g0, &cs[cg], s16);
-    if RB == 2u {
-        coopStore(h0, &cs[ch], s16);
-    }
+    park(g0, h0, rs, kh, two);
     workgroupBarrier();
     store_block(li, r0, 0u);
     workgroupBarrier();
     if nb > 1u {
-        coopStore(g1, &cs[cg], s16);
-        if RB == 2u {
-            coopStore(h1, &cs[ch], s16);
-        }
+        park(g1, h1, rs, kh, two);
         workgroupBarrier();
         store_block(li, r0, 1u);
         workgroupBarrier();
     }
     if nb > 2u {
-        coopStore(g2, &cs[cg], s16);
-        if RB == 2u {
-            coopStore(h2, &cs[ch], s16);
-        }
+        park(g2, h2, rs, kh, two);
         workgroupBarrier();
         store_block(li, r0, 2u);
         workgroupBarrier();
     }
     if nb > 3u {
-        coopStore(g3, &cs[cg], s16);
-        if RB == 2u {
-            coopStore(h3, &cs[ch], s16);
-        }
+        park(g3, h3, rs, kh, two);
         workgroupBarrier();
         store_block(li, r0, 3u);
+    }
+}
+
+// Parks one token block's sums in cs: row block rs's at 256 rs, rs + 4's (with two) at
+// 256 (rs + 4). Under KSPLIT the second K half's subgroups park first and the first half's add
+// their own to what they find (subgroup-uniform branches: cooperative operations need only the
+// subgroup to agree).
+fn park(g: coop_mat16x16<f32, C>, h: coop_mat16x16<f32, C>, rs: u32, kh: u32, two: bool) {
+    let cg = 256u * rs;
+    let ch = cg + 1024u;
+    let s16 = 16u;
+    if KSPLIT {
+        if kh == 1u {
+            coopStore(g, &cs[cg], s16);
+            coopStore(h, &cs[ch], s16);
+        }
+        workgroupBarrier();
+        if kh == 0u {
+            let sg = g + coopLoad<coop_mat16x16<f32, C>>(&cs[cg], s16);
+            let sh = h + coopLoad<coop_mat16x16<f32, C>>(&cs[ch], s16);
+            coopStore(sg, &cs[cg], s16);
+            coopStore(sh, &cs[ch], s16);
+        }
+    } else {
+        coopStore(g, &cs[cg], s16);
+        if two {
+            coopStore(h, &cs[ch], s16);
+        }
     }
 }

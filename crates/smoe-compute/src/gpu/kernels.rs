@@ -157,9 +157,11 @@ fn source_with_edits(name: &str, dir: Option<&Path>) -> Option<String> {
         true => &[][..],
         false => &fragments[..],
     };
-    // A kernel's `enable` directives must come before any declaration: they stay first.
-    let (enables, body): (Vec<&str>, Vec<&str>) =
-        src.lines().partition(|l| l.starts_with("enable "));
+    // A kernel's directives (`enable`, `diagnostic`) must come before any declaration: they
+    // stay first.
+    let (enables, body): (Vec<&str>, Vec<&str>) = src
+        .lines()
+        .partition(|l| l.starts_with("enable ") || l.starts_with("diagnostic("));
     let mut out = enables.join("\n");
     for (f, f_src) in fragments.iter() {
         out.push('\n');
@@ -195,6 +197,15 @@ mod tests {
         assert!(source_with_edits("copy", Some(&dir))
             .unwrap()
             .starts_with("enable f16;\n"));
+        // So do `diagnostic` directives (WGSL rejects them after a declaration).
+        std::fs::write(
+            dir.join("rms_norm.wgsl"),
+            "enable f16;\ndiagnostic(off, derivative_uniformity);\nfn main() {}\n",
+        )
+        .unwrap();
+        let s = source_with_edits("rms_norm", Some(&dir)).unwrap();
+        assert!(s.starts_with("enable f16;\ndiagnostic(off, derivative_uniformity);\n"));
+        assert!(s.contains("// edited common"));
         std::fs::write(
             dir.join("rms_norm.wgsl"),
             "// smoe: standalone\nfn main() {}\n",
