@@ -101,91 +101,12 @@ struct PrefillParams {
 /// `q` and `out` offsets must be multiples of 16 bytes.
 pub struct PrefillAttention {
     d: Dispatch,
-    /// The f32 kernel's tile; `None`: the matrix-unit kernel (`attn_prefill_coop.wgsl`).
-    tuning: Option<PrefillAttnTuning>,
-}
-
-/// Largest head dimension the matrix-unit kernel takes (its output block lives in
-/// cooperative-matrix registers, 4 blocks of 16 × 16 per subgroup).
-pub const PREFILL_COOP_MAX_HEAD_DIM: usize = 128;
-
-/// Whether [`PrefillAttention::new`] runs `head_dim` on the matrix units of `ctx`.
-pub fn prefill_attention_on_matrix_units(ctx: &GpuContext, head_dim: usize) -> bool {
-    ctx.has_matrix_units() && head_dim % 32 == 0 && head_dim <= PREFILL_COOP_MAX_HEAD_DIM
+    tuning: PrefillAttnTuning,
 }
 
 impl PrefillAttention {
-    /// The matrix-unit kernel where the device has them and the head dimension suits it
-    /// ([`prefill_attention_on_matrix_units`]), else the f32 kernel with
-    /// [`PrefillAttnTuning::pick`]'s tile. If the matrix-unit kernel fails to build on this
-    /// device (its SPIR-V goes to the driver unchecked by wgpu), the f32 kernel is used.
     pub fn new(ctx: &GpuContext, a: &AttnDesc) -> Result<Self, GpuError> {
-        if prefill_attention_on_matrix_units(ctx, a.head_dim) {
-            match Self::on_matrix_units(ctx, a) {
-                Err(GpuError::Kernel { msg, .. }) => {
-                    tracing::warn!("prefill attention on the matrix units failed to build ({msg}): f32 kernel");
-                }
-                r => return r,
-            }
-        }
         Self::with_tuning(ctx, a, PrefillAttnTuning::pick(ctx, a.head_dim))
-    }
-
-    /// The matrix-unit kernel (`attn_prefill_coop.wgsl`): 32 rows per workgroup, f16 halves
-    /// of every operand, f32 sums. Needs [`prefill_attention_on_matrix_units`].
-    pub fn on_matrix_units(ctx: &GpuContext, a: &AttnDesc) -> Result<Self, GpuError> {
-        let hd = a.head_dim;
-        if !prefill_attention_on_matrix_units(ctx, hd)
-            || a.n_kv_heads == 0
-            || a.n_heads % a.n_kv_heads != 0
-        {
-            return Err(GpuError::Shape(format!(
-                "prefill attention on the matrix units: head_dim {hd} (a multiple of 32, at \
-                 most {PREFILL_COOP_MAX_HEAD_DIM}), {} heads over {} kv heads, matrix units {:?}",
-                a.n_heads,
-                a.n_kv_heads,
-                ctx.matrix_units()
-            )));
-        }
-        let AttnBindings {
-            q: (qb, q_off),
-            out: (ob, out_off),
-            k: (kb, kc_off),
-            v: (vb, vc_off),
-        } = a.bind(ctx, 16)?;
-        let rows = 32;
-        let n_tiles = (a.n_tokens * (a.n_heads / a.n_kv_heads)).div_ceil(rows);
-        let p = PrefillParams {
-            n_heads: a.n_heads as u32,
-            n_kv: a.n_kv_heads as u32,
-            head_dim: hd as u32,
-            n_tokens: a.n_tokens as u32,
-            q_off,
-            kc_off,
-            vc_off,
-            out_off,
-            scale: a.scale,
-            window: a.window.unwrap_or(0) as u32,
-            n_tiles: n_tiles as u32,
-            _pad: 0,
-        };
-        use wgpu::BufferBindingType::{Storage, Uniform};
-        let read = Storage { read_only: true };
-        // params, step, q, k cache, v cache, out
-        let types = [Uniform, Uniform, read, read, read, Storage { read_only: false }];
-        let bufs = [Binding::whole(a.step), qb, kb, vb, ob];
-        let groups = [a.n_kv_heads, n_tiles, 1];
-        let consts = [("D", hd as f64)];
-        let d = Dispatch::new_spirv(
-            ctx,
-            "attn_prefill_coop",
-            &consts,
-            &types,
-            &p,
-            &bufs,
-            groups,
-        )?;
-        Ok(PrefillAttention { d, tuning: None })
     }
 
     pub fn with_tuning(
@@ -239,11 +160,10 @@ impl PrefillAttention {
         let bufs = [Binding::whole(a.step), qb, kb, vb, ob];
         let groups = [a.n_kv_heads, n_tiles, 1];
         let d = Dispatch::new(ctx, "attn_prefill", &consts, &p, &bufs, groups)?;
-        Ok(PrefillAttention { d, tuning: Some(t) })
+        Ok(PrefillAttention { d, tuning: t })
     }
 
-    /// The f32 kernel's tile, or `None` for the matrix-unit kernel.
-    pub fn tuning(&self) -> Option<PrefillAttnTuning> {
+    pub fn tuning(&self) -> PrefillAttnTuning {
         self.tuning
     }
 }

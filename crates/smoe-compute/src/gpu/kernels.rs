@@ -109,11 +109,6 @@ const KERNELS: &[(&str, &str, &[Fragment])] = &[
         &[],
     ),
     (
-        "attn_prefill_coop",
-        include_str!("../../kernels/attn_prefill_coop.wgsl"),
-        &[],
-    ),
-    (
         "attn_combine",
         include_str!("../../kernels/attn_combine.wgsl"),
         &[MERGE],

@@ -31,10 +31,7 @@ mod spirv;
 mod timestamps;
 
 pub use attention::{AttnDesc, DecodeAttention, FusedRope, QkNormRope, QkNormRopeDesc};
-pub use attn_prefill::{
-    prefill_attention_on_matrix_units, PrefillAttention, PrefillAttnTuning,
-    PREFILL_COOP_MAX_HEAD_DIM, PREFILL_MAX_HEAD_DIM,
-};
+pub use attn_prefill::{PrefillAttention, PrefillAttnTuning, PREFILL_MAX_HEAD_DIM};
 pub use buffers::{BufRef, StepParams};
 pub use clocks::ClockHold;
 pub use context::{GpuContext, GpuError, GpuInfo, MatrixUnits};

@@ -43,41 +43,6 @@ impl Dispatch {
         })
     }
 
-    /// As `new`, for a kernel compiled to SPIR-V here and handed over as passthrough
-    /// (`GpuContext::pipeline_spirv`; the matrix-unit kernels): `types` are the bindings'
-    /// types, binding 0 (the params uniform) first.
-    pub(crate) fn new_spirv<P: bytemuck::Pod>(
-        ctx: &GpuContext,
-        kernel: &'static str,
-        constants: &[(&'static str, f64)],
-        types: &[wgpu::BufferBindingType],
-        params: &P,
-        bufs: &[Binding],
-        groups: [usize; 3],
-    ) -> Result<Self, GpuError> {
-        let max = ctx.limits().max_compute_workgroups_per_dimension as usize;
-        if groups.iter().any(|g| *g > max || *g == 0) || types.len() != bufs.len() + 1 {
-            return Err(GpuError::Shape(format!(
-                "{kernel}: dispatch {groups:?} is empty or exceeds {max}, or {} binding types \
-                 for {} bindings",
-                types.len(),
-                bufs.len() + 1
-            )));
-        }
-        let pipeline = ctx.pipeline_spirv(kernel, constants, types)?;
-        let pbuf = ctx.uniform(kernel, params);
-        let mut entries = vec![Binding::whole(&pbuf).entry(0)];
-        for (i, b) in bufs.iter().enumerate() {
-            entries.push(b.entry(i as u32 + 1));
-        }
-        let bind = ctx.bind_group(kernel, &pipeline, &entries)?;
-        Ok(Dispatch {
-            pipeline,
-            bind,
-            groups: groups.map(|g| g as u32),
-        })
-    }
-
     pub(crate) fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
         self.record_with(pass, &mut Launch::Direct);
     }

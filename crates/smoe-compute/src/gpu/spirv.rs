@@ -206,18 +206,6 @@ mod tests {
         assert!(failures.is_empty(), "{}", failures.join("\n"));
     }
 
-    /// The same for the matrix-unit prefill attention, at every head dimension it takes.
-    #[test]
-    fn every_coop_attention_variant_compiles() {
-        let src = crate::gpu::kernel_source("attn_prefill_coop").unwrap();
-        for d in [32.0, 64.0, 96.0, 128.0] {
-            for checks in [false, true] {
-                compile(&src, &[("D", d)], checks)
-                    .unwrap_or_else(|e| panic!("D {d} checks {checks}: {e}"));
-            }
-        }
-    }
-
     #[test]
     fn patching_refuses_what_it_does_not_understand() {
         assert!(use_glsl450_memory_model(&mut vec![1, 2, 3]).is_err());

@@ -5,7 +5,7 @@ use super::{assert_close, gpu, nan_buffer, rand_vec};
 use smoe_compute::cpu::ops::{self, AttnShape};
 use smoe_compute::gpu::{
     AttnDesc, BufRef, DecodeAttention, FusedRope, GpuContext, GpuError, PrefillAttention,
-    prefill_attention_on_matrix_units, PrefillAttnTuning, QkNormRope, QkNormRopeDesc,
+    PrefillAttnTuning, QkNormRope, QkNormRopeDesc,
 };
 
 /// Inverse frequencies as the engine's RopeTable computes them (no YaRN).
@@ -390,16 +390,6 @@ fn check_prefill(
         Some(t) => PrefillAttention::with_tuning(ctx, &desc, t)?,
         None => PrefillAttention::new(ctx, &desc)?,
     };
-    // The default is the matrix-unit kernel wherever it applies (so that this test covers it
-    // on such devices), the f32 kernel elsewhere.
-    if tuning.is_none() {
-        assert_eq!(
-            attn.tuning().is_none(),
-            prefill_attention_on_matrix_units(ctx, hd),
-            "head_dim {hd}: {:?}",
-            attn.tuning()
-        );
-    }
     for &pos0 in pos0s {
         let n_ctx = pos0 + nt;
         assert!(n_ctx <= cap);
@@ -472,52 +462,6 @@ fn prefill_attention_matches_cpu() {
     for &(case, pos0s) in cases {
         check_prefill(ctx, case, pos0s, None).unwrap();
     }
-}
-
-/// The matrix-unit kernel (where the device has them; `prefill_attention_matches_cpu` runs it
-/// as the default too) at every head dimension it takes, GQA groups of 1 to 8, partial row
-/// tiles, windows, and chunks after earlier ones.
-#[test]
-fn prefill_attention_on_matrix_units_matches_cpu() {
-    let Some(ctx) = gpu() else { return };
-    if !prefill_attention_on_matrix_units(ctx, 128) {
-        eprintln!("no matrix units ({:?}): nothing to test", ctx.matrix_units());
-        return;
-    }
-    let cases: &[(PrefillCase, &[usize])] = &[
-        ((32, 4, 128, 512, 1024, None), &[0, 300]),
-        ((32, 4, 128, 37, 100, None), &[0, 41]),
-        ((8, 8, 32, 33, 80, None), &[0, 7]),
-        ((12, 4, 96, 50, 128, Some(17)), &[0, 60]),
-        ((7, 1, 64, 19, 64, Some(5)), &[0, 30]),
-        ((5, 5, 64, 1, 10, None), &[0, 9]),
-        ((16, 2, 128, 100, 400, Some(40)), &[0, 200]),
-    ];
-    for &(case, pos0s) in cases {
-        check_prefill(ctx, case, pos0s, None).unwrap();
-    }
-    // Head dims it does not take are refused, not miscomputed.
-    let q = ctx.storage_buffer("q", 4 * 48 * 4);
-    let kv = ctx.storage_buffer("kv", 4 * 48 * 8);
-    let step = ctx.step_buffer();
-    let desc = AttnDesc {
-        q: BufRef::new(&q),
-        k_cache: BufRef::new(&kv),
-        v_cache: BufRef::new(&kv),
-        out: BufRef::new(&q),
-        step: &step,
-        n_heads: 4,
-        n_kv_heads: 1,
-        head_dim: 48,
-        n_tokens: 1,
-        capacity: 8,
-        scale: 1.0,
-        window: None,
-    };
-    assert!(matches!(
-        PrefillAttention::on_matrix_units(ctx, &desc),
-        Err(GpuError::Shape(_))
-    ));
 }
 
 /// Every tile shape the device has the workgroup memory for, on the awkward cases.

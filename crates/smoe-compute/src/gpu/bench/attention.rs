@@ -1,15 +1,12 @@
 //! Prefill attention measurements for `gpu::bench`: one chunk's causal attention over the KV
-//! cache by `DecodeAttention` (the path prefill took before), by `PrefillAttention` on the matrix
-//! units where the device has them, and by its f32 kernel in each tile shape the device has the
-//! workgroup memory for, the default tile first. FLOP/s count the
+//! cache by `DecodeAttention` (the path prefill took before) and by `PrefillAttention` in each
+//! tile shape the device has the workgroup memory for, the default tile first. FLOP/s count the
 //! causal work only: 4·head_dim per (query head, visible key), for q·k and p·v.
 
 use super::timer::Timer;
 use super::{AttnBench, BenchRow, BenchShape};
 use crate::gpu::attention::{AttnDesc, DecodeAttention, FusedRope};
-use crate::gpu::attn_prefill::{
-    prefill_attention_on_matrix_units, PrefillAttention, PrefillAttnTuning,
-};
+use crate::gpu::attn_prefill::{PrefillAttention, PrefillAttnTuning};
 use crate::gpu::buffers::BufRef;
 use crate::gpu::context::{GpuContext, GpuError};
 use smoe_vault::quant::DType;
@@ -84,13 +81,6 @@ pub(super) fn bench_attention(
     match DecodeAttention::new(ctx, &desc).and_then(|d| time(&|p| d.record(p))) {
         Ok(secs) => rows.push(row("attn_decode", None, secs / iters as f64)),
         Err(e) => errors.push(what("attn_decode", e)),
-    }
-    // The matrix-unit kernel (what the engine runs where it can), then every f32 tile.
-    if prefill_attention_on_matrix_units(ctx, hd) {
-        match PrefillAttention::on_matrix_units(ctx, &desc).and_then(|k| time(&|p| k.record(p))) {
-            Ok(secs) => rows.push(row("attn_prefill tc", None, secs / iters as f64)),
-            Err(e) => errors.push(what("attn_prefill tc", e)),
-        }
     }
     let pick = PrefillAttnTuning::pick(ctx, hd);
     let mut tunings = vec![pick];

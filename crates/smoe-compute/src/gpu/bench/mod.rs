@@ -389,8 +389,7 @@ impl fmt::Display for BenchReport {
             writeln!(
                 f,
                 "  attention: GFLOP/s = 4·head_dim·heads·visible keys / time; GB/s = K+V cache \
-                 bytes / time; attn_prefill tc: on the matrix units (the default where listed), \
-                 attn_prefill ROWSxDIMS: the f32 kernel, its default tile first"
+                 bytes / time; attn_prefill ROWSxDIMS, the default tile first"
             )?;
             writeln!(
                 f,
