@@ -171,6 +171,49 @@ fn bench_kernels_reports_ratios_to_copy() {
     }
 }
 
+/// `--shape` narrows the extras too: the dispatch floor, the grid barrier and the persistent
+/// chain run only where their names match it (null in the JSON otherwise), and a filter that
+/// matches only one of them measures just that.
+#[test]
+fn bench_kernels_shape_filter_selects_the_extras_too() {
+    if !have_gpu() {
+        return;
+    }
+    let run = |f: &str| {
+        json(&smoe(&[
+            "bench", "kernels", "--quick", "--iters", "2", "--json", "--shape", f,
+        ]))
+    };
+    let v = run("small");
+    assert_eq!(v["rows"].as_array().unwrap().len(), 4, "{v}");
+    for key in ["dependent_dispatch_us", "grid_barrier", "persistent_chain"] {
+        assert!(v[key].is_null(), "{key}: {v}");
+    }
+    assert!(v["copy_gb_per_s"].as_f64().unwrap() > 0.0, "{v}");
+    let v = run("dispatch floor");
+    assert!(v["rows"].as_array().unwrap().is_empty(), "{v}");
+    assert!(
+        v["dependent_dispatch_us"]["one_workgroup"]
+            .as_f64()
+            .unwrap()
+            > 0.0,
+        "{v}"
+    );
+    assert!(
+        v["grid_barrier"].is_null() && v["persistent_chain"].is_null(),
+        "{v}"
+    );
+    assert!(v["device"].as_str().is_some_and(|d| !d.is_empty()), "{v}");
+    // Nothing at all matches: an error, not an empty report.
+    let out = smoe(&["bench", "kernels", "--quick", "--shape", "no such shape"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("no benchmark shape matches"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// `smoe bench decode --backend gpu` on the demo model, 3 decoded tokens, one repetition,
 /// as JSON; `extra` adds flags.
 fn bench_decode_gpu(extra: &[&str]) -> serde_json::Value {

@@ -66,7 +66,9 @@ pub struct KernelArgs {
     #[arg(long)]
     sweep: bool,
     /// Only the shapes whose name contains this (e.g. "down", "235B", "router", "attn dec" for
-    /// the decode attention with its RoPE, "pf512" for prefill).
+    /// the decode attention with its RoPE, "pf512" for prefill). The dispatch floor, the grid
+    /// barrier and the persistent chain, which every run without it measures first, then run
+    /// only if their names match ("dispatch floor", "grid barrier", "persistent chain").
     #[arg(long, value_name = "TEXT")]
     shape: Option<String>,
 }
@@ -98,29 +100,45 @@ fn kernels(a: KernelArgs) -> Result<()> {
     } else {
         qwen3_shapes()
     };
-    let shapes: Vec<_> = match &a.shape {
-        Some(f) => shapes
-            .into_iter()
-            .filter(|s| s.name.contains(f.as_str()))
-            .collect(),
-        None => shapes,
-    };
-    if shapes.is_empty() {
+    let wanted = |name: &str| a.shape.as_ref().is_none_or(|f| name.contains(f.as_str()));
+    let shapes: Vec<_> = shapes.into_iter().filter(|s| wanted(&s.name)).collect();
+    let [want_floor, want_grid, want_chain] =
+        ["dispatch floor", "grid barrier", "persistent chain"].map(wanted);
+    if shapes.is_empty() && !(want_floor || want_grid || want_chain) {
         bail!(
             "no benchmark shape matches --shape {:?}",
             a.shape.unwrap_or_default()
         );
     }
-    // Once, before the shapes: what every decode step pays at least.
-    let floor = dispatch_floor(&ctx, a.iters)?;
-    // And what a persistent kernel would pay per step instead (a barrier inside one dispatch).
-    let grid = grid_barrier(&ctx, 10 * a.iters)?;
-    // And the two on the same chain of products (a persistent kernel's possible gain).
-    let chain = persistent_chain(&ctx)?;
+    // Once, before the shapes: what every decode step pays at least,
+    let floor = want_floor
+        .then(|| dispatch_floor(&ctx, a.iters))
+        .transpose()?;
+    // what a persistent kernel would pay per step instead (a barrier inside one dispatch),
+    let grid = want_grid
+        .then(|| grid_barrier(&ctx, 10 * a.iters))
+        .transpose()?;
+    // and the two on the same chain of products (a persistent kernel's possible gain).
+    let chain = want_chain.then(|| persistent_chain(&ctx)).transpose()?;
     if !a.json {
-        println!("{floor}\n{grid}\n{chain}\n");
+        for m in [
+            floor.as_ref().map(|x| x.to_string()),
+            grid.as_ref().map(|x| x.to_string()),
+            chain.as_ref().map(|x| x.to_string()),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            println!("{m}\n");
+        }
     }
-    let (mut rows, mut errors, mut copy, mut device) = (vec![], vec![], 0f64, String::new());
+    let adapter = &ctx.info().adapter;
+    let mut device = format!(
+        "{} ({:?}, {})",
+        adapter.name, adapter.backend, adapter.driver_info
+    );
+    // (copy_gb_per_s stays 0 where --shape left no shape to measure beside it.)
+    let (mut rows, mut errors, mut copy) = (vec![], vec![], 0f64);
     // One shape at a time, so partial results show even if a later shape fails.
     for shape in &shapes {
         let (dtypes, tunings) = if a.sweep {
@@ -183,18 +201,22 @@ fn kernels(a: KernelArgs) -> Result<()> {
     if a.json {
         println!(
             "{}",
+            // (Each of the three is null where --shape left it out.)
             serde_json::json!({"device": device, "copy_gb_per_s": copy,
-                "dependent_dispatch_us": {"one_workgroup": floor.one_us,
-                    "workgroups": floor.wide_groups, "many_workgroups": floor.wide_us},
-                "grid_barrier": {"rounds": grid.rounds, "skipped": grid.skipped,
+                "dependent_dispatch_us": floor.map(|floor| serde_json::json!({
+                    "one_workgroup": floor.one_us,
+                    "workgroups": floor.wide_groups, "many_workgroups": floor.wide_us})),
+                "grid_barrier": grid.map(|grid| serde_json::json!({"rounds": grid.rounds,
+                    "skipped": grid.skipped,
                     "rows": grid.rows.iter().map(|r|
                     serde_json::json!({"workgroups": r.groups, "us_per_round": r.us_per_round,
-                        "stale_reads": r.stale})).collect::<Vec<_>>()},
-                "persistent_chain": {"steps": chain.steps, "workgroups": chain.groups,
+                        "stale_reads": r.stale})).collect::<Vec<_>>()})),
+                "persistent_chain": chain.map(|chain| serde_json::json!({"steps": chain.steps,
+                    "workgroups": chain.groups,
                     "skipped": chain.skipped, "dispatch_us_per_step": chain.dispatch_us,
                     "persistent_us_per_step": chain.persistent_us,
                     "early_loads_us_per_step": chain.early_us,
-                    "max_rel_diff": chain.max_rel_diff},
+                    "max_rel_diff": chain.max_rel_diff})),
                 "rows": rows, "errors": errors})
         );
     }
