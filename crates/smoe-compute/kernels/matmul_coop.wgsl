@@ -58,6 +58,7 @@ override WG: u32 = 256u / RB;
 // gate_up 628.3 → 559.1, Zipf 732.3 → 666.8, down 359.6 → 338.2, q_proj 112.3 → 96.9, qkv
 // 165.4 → 142.5; q8 and q2 alike. The engine's pp512 (q4): 6,145 and 6,136 → 6,607 and 6,635
 // tok/s. Dense bf16 with 8 subgroups and the split: q_proj 117.9 against 107.0 for RB = 2.
+// (Derived, not set by the host: with RB = 2 there are only 4 subgroups, one per row-block pair.)
 override KSPLIT: bool = RB == 1u;
 // Output rows per tile.
 override OR: u32 = select(BM, BM / 2u, GATED);
@@ -242,8 +243,8 @@ fn main(
     workgroupBarrier();
     // Token blocks past the tile's valid tokens are skipped (uniform: nvalid is).
     let nb = min(NB, (nvalid + 15u) / 16u);
-    // g: row block rs's sums per token block; h: row block rs + 4's (RB = 2 or KSPLIT).
-    let two = RB == 2u || KSPLIT;
+    // g: row block rs's sums per token block; h: row block rs + 4's. Every subgroup owns a
+    // row-block pair: subgroup s pair s with RB = 2, pair s % 4 (and K half s / 4) with RB = 1.
     let rs = select(sgid, sgid % 4u, KSPLIT);
     let kh = select(0u, sgid / 4u, KSPLIT);
     let kstep = select(16u, 32u, KSPLIT);
@@ -275,29 +276,22 @@ fn main(
             let ia = 16u * rs * TS + kk;
             let ib = (64u + 16u * rs) * TS + kk;
             let a0 = coopLoadT<coop_mat16x16<f16, A>>(&ws[ia / 2u], ts);
-            var a1 = a0;
-            if two {
-                a1 = coopLoadT<coop_mat16x16<f16, A>>(&ws[ib / 2u], ts);
-            }
+            let a1 = coopLoadT<coop_mat16x16<f16, A>>(&ws[ib / 2u], ts);
             let i0 = kk;
             let b0 = coopLoad<coop_mat16x16<f16, B>>(&xs[i0 / 2u], ts);
             let l0 = coopLoad<coop_mat16x16<f16, B>>(&xl[i0 / 2u], ts);
             g0 = coopMultiplyAdd(a0, b0, g0);
             g0 = coopMultiplyAdd(a0, l0, g0);
-            if two {
-                h0 = coopMultiplyAdd(a1, b0, h0);
-                h0 = coopMultiplyAdd(a1, l0, h0);
-            }
+            h0 = coopMultiplyAdd(a1, b0, h0);
+            h0 = coopMultiplyAdd(a1, l0, h0);
             if nb > 1u {
                 let i1 = 16u * TS + kk;
                 let b1 = coopLoad<coop_mat16x16<f16, B>>(&xs[i1 / 2u], ts);
                 let l1 = coopLoad<coop_mat16x16<f16, B>>(&xl[i1 / 2u], ts);
                 g1 = coopMultiplyAdd(a0, b1, g1);
                 g1 = coopMultiplyAdd(a0, l1, g1);
-                if two {
-                    h1 = coopMultiplyAdd(a1, b1, h1);
-                    h1 = coopMultiplyAdd(a1, l1, h1);
-                }
+                h1 = coopMultiplyAdd(a1, b1, h1);
+                h1 = coopMultiplyAdd(a1, l1, h1);
             }
             if nb > 2u {
                 let i2 = 32u * TS + kk;
@@ -305,10 +299,8 @@ fn main(
                 let l2 = coopLoad<coop_mat16x16<f16, B>>(&xl[i2 / 2u], ts);
                 g2 = coopMultiplyAdd(a0, b2, g2);
                 g2 = coopMultiplyAdd(a0, l2, g2);
-                if two {
-                    h2 = coopMultiplyAdd(a1, b2, h2);
-                    h2 = coopMultiplyAdd(a1, l2, h2);
-                }
+                h2 = coopMultiplyAdd(a1, b2, h2);
+                h2 = coopMultiplyAdd(a1, l2, h2);
             }
             if nb > 3u {
                 let i3 = 48u * TS + kk;
@@ -316,43 +308,40 @@ fn main(
                 let l3 = coopLoad<coop_mat16x16<f16, B>>(&xl[i3 / 2u], ts);
                 g3 = coopMultiplyAdd(a0, b3, g3);
                 g3 = coopMultiplyAdd(a0, l3, g3);
-                if two {
-                    h3 = coopMultiplyAdd(a1, b3, h3);
-                    h3 = coopMultiplyAdd(a1, l3, h3);
-                }
+                h3 = coopMultiplyAdd(a1, b3, h3);
+                h3 = coopMultiplyAdd(a1, l3, h3);
             }
         }
     }
     // Token block by token block, the subgroups park their sums in cs, then the workgroup
     // writes them out.
-    park(g0, h0, rs, kh, two);
+    park(g0, h0, rs, kh);
     workgroupBarrier();
     store_block(li, r0, 0u);
     workgroupBarrier();
     if nb > 1u {
-        park(g1, h1, rs, kh, two);
+        park(g1, h1, rs, kh);
         workgroupBarrier();
         store_block(li, r0, 1u);
         workgroupBarrier();
     }
     if nb > 2u {
-        park(g2, h2, rs, kh, two);
+        park(g2, h2, rs, kh);
         workgroupBarrier();
         store_block(li, r0, 2u);
         workgroupBarrier();
     }
     if nb > 3u {
-        park(g3, h3, rs, kh, two);
+        park(g3, h3, rs, kh);
         workgroupBarrier();
         store_block(li, r0, 3u);
     }
 }
 
-// Parks one token block's sums in cs: row block rs's at 256 rs, rs + 4's (with two) at
-// 256 (rs + 4). Under KSPLIT the second K half's subgroups park first and the first half's add
+// Parks one token block's sums in cs: row block rs's at 256 rs, rs + 4's at 256 (rs + 4). Under KSPLIT the second K half's subgroups park first and the first half's add
 // their own to what they find (subgroup-uniform branches: cooperative operations need only the
 // subgroup to agree).
-fn park(g: coop_mat16x16<f32, C>, h: coop_mat16x16<f32, C>, rs: u32, kh: u32, two: bool) {
+fn park(g: coop_mat16x16<f32, C>, h: coop_mat16x16<f32, C>, rs: u32, kh: u32) {
     let cg = 256u * rs;
     let ch = cg + 1024u;
     let s16 = 16u;
@@ -370,8 +359,6 @@ fn park(g: coop_mat16x16<f32, C>, h: coop_mat16x16<f32, C>, rs: u32, kh: u32, tw
         }
     } else {
         coopStore(g, &cs[cg], s16);
-        if two {
-            coopStore(h, &cs[ch], s16);
-        }
+        coopStore(h, &cs[ch], s16);
     }
 }

@@ -83,7 +83,8 @@ pub fn run(b: Bench) -> Result<()> {
 
 fn kernels(a: KernelArgs) -> Result<()> {
     use smoe_compute::gpu::bench::{
-        bench_kernels, dispatch_floor, grid_barrier, persistent_chain, qwen3_shapes, BenchShape,
+        bench_kernels, device_label, dispatch_floor, grid_barrier, persistent_chain, qwen3_shapes,
+        BenchShape,
     };
     use smoe_compute::gpu::{GpuContext, MatVecTuning, Q4Decode};
     use smoe_vault::DType;
@@ -121,22 +122,14 @@ fn kernels(a: KernelArgs) -> Result<()> {
     // and the two on the same chain of products (a persistent kernel's possible gain).
     let chain = want_chain.then(|| persistent_chain(&ctx)).transpose()?;
     if !a.json {
-        for m in [
+        let shown = [
             floor.as_ref().map(|x| x.to_string()),
             grid.as_ref().map(|x| x.to_string()),
             chain.as_ref().map(|x| x.to_string()),
-        ]
-        .into_iter()
-        .flatten()
-        {
-            println!("{m}\n");
-        }
+        ];
+        shown.iter().flatten().for_each(|m| println!("{m}\n"));
     }
-    let adapter = &ctx.info().adapter;
-    let mut device = format!(
-        "{} ({:?}, {})",
-        adapter.name, adapter.backend, adapter.driver_info
-    );
+    let device = device_label(&ctx);
     // (copy_gb_per_s stays 0 where --shape left no shape to measure beside it.)
     let (mut rows, mut errors, mut copy) = (vec![], vec![], 0f64);
     // One shape at a time, so partial results show even if a later shape fails.
@@ -189,7 +182,6 @@ fn kernels(a: KernelArgs) -> Result<()> {
             println!("{report}");
         }
         copy = copy.max(report.copy_gbps);
-        device = report.device.clone();
         errors.extend(report.errors.iter().cloned());
         rows.extend(report.rows.iter().map(|r| {
             let prefill = (r.tokens > 0).then(|| serde_json::json!({"tokens": r.tokens,

@@ -529,6 +529,12 @@ pub fn bench_kernels(
     Ok(report(ctx, &timer, copy_gbps, rows, errors))
 }
 
+/// The adapter as a report names it: "name (backend, driver)".
+pub fn device_label(ctx: &GpuContext) -> String {
+    let a = &ctx.info().adapter;
+    format!("{} ({:?}, {})", a.name, a.backend, a.driver_info)
+}
+
 fn report(
     ctx: &GpuContext,
     timer: &Timer,
@@ -536,8 +542,7 @@ fn report(
     rows: Vec<BenchRow>,
     errors: Vec<String>,
 ) -> BenchReport {
-    let a = &ctx.info().adapter;
-    let device = format!("{} ({:?}, {})", a.name, a.backend, a.driver_info);
+    let device = device_label(ctx);
     let timer_name = if timer.query.is_some() {
         "GPU timestamps"
     } else {
