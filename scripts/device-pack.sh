@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Packs what a session runs on the lent GPU machine (no Rust toolchain there): the release `smoe`
-# and the GPU test binaries, stripped, in one xz archive (they share most of their bytes, so a
+# Packs what a session runs on the lent GPU machine (no Rust toolchain there): the release `smoe`,
+# the GPU test binaries and the `pipeline_stats` example (the driver's register counts), stripped, in one xz archive (they share most of their bytes, so a
 # 192 MiB dictionary keeps all of them under the 64 MiB carry), plus the Vulkan/GL loader debs.
 #
 #   scripts/device-pack.sh [EXTRA_DIR...]   # EXTRA_DIRs (e.g. kernel variants for
@@ -34,6 +34,8 @@ for t in smoe-compute:gpu_kernels smoe-engine:gpu_parity smoe-engine:gpu_streami
         grep -o "(target/release/deps/$test-[^)]*)" | tr -d '()' | tail -1)
     cp "$path" ".dev/bin/$test"
 done
+cargo build --release -p smoe-compute --example pipeline_stats
+cp target/release/examples/pipeline_stats .dev/bin/
 strip .dev/bin/*
 tar cf - .dev/bin "$@" | xz -T2 --lzma2=preset=6,dict=192MiB > .dev/pack.tar.xz
 

@@ -66,8 +66,7 @@ const HD_MAX: u32 = 512u;
 // The V sum: invocation li handles vec4 of dims li % 32 (+ 32, 64, 96 for wider heads) over
 // every PG-th position of a tile, starting at li / 32; the PG partial sums are added at the end.
 // (One invocation per dim looping over all of a tile's positions made a 128-long dependent chain
-// per tile: the slowest part of decoding at short contexts.)
-const OD4: u32 = HD_MAX / 128u;
+// per tile: the slowest part of decoding at short contexts.) Up to HD_MAX / 128 = 4 vec4s each.
 override PG: u32 = WG / 32u;
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -187,6 +186,24 @@ fn rope_both(pos: u32, li: u32, sg: u32, nsg: u32, lane: u32) {
     }
 }
 
+// acc plus this invocation's share of a tile's values for vec4 d4 of the head (d4 < hd4):
+// positions pg, pg + PG, ... of the tile's cnt, whose probabilities are in sc; vt is the V
+// cache's vec4 index of the tile's first position for this KV head.
+fn v_pass(acc_in: vec4<f32>, d4: u32, hd4: u32, vt: u32, cnt: u32, has_cur: bool, pg: u32, kvw4: u32) -> vec4<f32> {
+    var acc = acc_in;
+    if d4 >= hd4 {
+        return acc;
+    }
+    let n_cached = select(cnt, cnt - 1u, has_cur);
+    for (var c = pg; c < n_cached; c += PG) {
+        acc += sc[c] * vc[vt + d4 + c * kvw4];
+    }
+    if has_cur && (cnt - 1u) % PG == pg {
+        acc += sc[cnt - 1u] * vcur[d4];
+    }
+    return acc;
+}
+
 // Lanes that share a position's key in the score pass.
 const KL: u32 = 4u;
 
@@ -245,7 +262,13 @@ fn main(
     }
     var m = NEG_BIG;
     var l = 0.0;
-    var o: array<vec4<f32>, OD4>;
+    // The output's vec4s per invocation (up to 4) as four variables, not an array: indexed in a loop
+    // the driver did not unroll, the array went to local memory (NVIDIA's pipeline statistics,
+    // `examples/pipeline_stats`: 64 bytes per invocation), a round trip through L1 per tile.
+    var o0 = vec4<f32>(0.0);
+    var o1 = vec4<f32>(0.0);
+    var o2 = vec4<f32>(0.0);
+    var o3 = vec4<f32>(0.0);
     let dv = li % 32u;
     let pg = li / 32u;
     for (var tile = p0; tile < p1; tile += WG) {
@@ -306,33 +329,35 @@ fn main(
         let alpha = exp(m - mn);
         l = l * alpha + wg_sum(pj, sg, nsg, lane);
         let cnt = min(WG, p1 - tile);
-        for (var j = 0u; j < OD4; j++) {
-            let d4 = dv + 32u * j;
-            if d4 < hd4 {
-                var acc = o[j] * alpha;
-                let vb = p.vc_off + tile * kvw4 + kvh * hd4 + d4;
-                // ROPE: the tile that ends at the current position takes its value from vcur,
-                // added last as the loop would have (the same order of additions).
-                let has_cur = ROPE && tile + cnt == n_ctx;
-                let n_cached = select(cnt, cnt - 1u, has_cur);
-                for (var c = pg; c < n_cached; c += PG) {
-                    acc += sc[c] * vc[vb + c * kvw4];
-                }
-                if has_cur && (cnt - 1u) % PG == pg {
-                    acc += sc[cnt - 1u] * vcur[d4];
-                }
-                o[j] = acc;
-            }
+        // ROPE: the tile that ends at the current position takes its value from vcur, added
+        // last as the loop would have (the same order of additions).
+        let has_cur = ROPE && tile + cnt == n_ctx;
+        let vt = p.vc_off + tile * kvw4 + kvh * hd4;
+        o0 = v_pass(o0 * alpha, dv, hd4, vt, cnt, has_cur, pg, kvw4);
+        if dv + 32u < hd4 {
+            o1 = v_pass(o1 * alpha, dv + 32u, hd4, vt, cnt, has_cur, pg, kvw4);
+        }
+        if dv + 64u < hd4 {
+            o2 = v_pass(o2 * alpha, dv + 64u, hd4, vt, cnt, has_cur, pg, kvw4);
+        }
+        if dv + 96u < hd4 {
+            o3 = v_pass(o3 * alpha, dv + 96u, hd4, vt, cnt, has_cur, pg, kvw4);
         }
         m = mn;
         // The next tile rewrites sc only after its wg_max barriers: no extra barrier needed.
     }
     // Add up the PG position groups' partial sums.
-    for (var j = 0u; j < OD4; j++) {
-        let d4 = dv + 32u * j;
-        if d4 < hd4 {
-            vred[pg * 128u + d4] = o[j];
-        }
+    if dv < hd4 {
+        vred[pg * 128u + dv] = o0;
+    }
+    if dv + 32u < hd4 {
+        vred[pg * 128u + dv + 32u] = o1;
+    }
+    if dv + 64u < hd4 {
+        vred[pg * 128u + dv + 64u] = o2;
+    }
+    if dv + 96u < hd4 {
+        vred[pg * 128u + dv + 96u] = o3;
     }
     workgroupBarrier();
     let row = (t * p.n_heads + h) * p.n_split + s;

@@ -406,6 +406,9 @@ impl GpuContext {
         if let Some(p) = self.pipelines.lock().unwrap().get(&key) {
             return Ok(p.clone());
         }
+        // In `examples/pipeline_stats`' argument form, so that a run's kernels can be looked up.
+        let args: Vec<String> = constants.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        tracing::debug!(target: "smoe_pipelines", "pipeline {kernel} {}", args.join(" "));
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let built = build();
         let popped = pollster::block_on(scope.pop());

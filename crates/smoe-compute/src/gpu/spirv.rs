@@ -12,8 +12,64 @@
 //! results and speed under naga's declaration, under this one and with every workgroup access
 //! marked non-private: the fix is for correctness by the specification, not a measured failure.
 
+/// A kernel's binding in group 0: (binding, uniform buffer or storage buffer, read-only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelBinding {
+    pub binding: u32,
+    pub uniform: bool,
+    pub read_only: bool,
+}
+
+/// Kernel `name` (with `SMOE_KERNEL_DIR`'s edits) as the SPIR-V its pipeline runs — bounds checks
+/// off, as release builds hand it to the driver; the memory model switched back where naga
+/// declared the Vulkan one — and its group-0 bindings. For tools that build the pipeline outside
+/// wgpu (`examples/pipeline_stats.rs` asks the driver for its register counts).
+pub fn kernel_spirv(
+    name: &str,
+    constants: &[(&str, f64)],
+) -> Result<(Vec<u32>, Vec<KernelBinding>), String> {
+    let src = super::kernel_source(name).ok_or_else(|| format!("no kernel named {name}"))?;
+    let module = naga::front::wgsl::parse_str(&src).map_err(|e| e.emit_to_string(&src))?;
+    let mut bindings: Vec<KernelBinding> = module
+        .global_variables
+        .iter()
+        .filter_map(|(_, g)| {
+            let b = g.binding.as_ref().filter(|b| b.group == 0)?;
+            let (uniform, read_only) = match g.space {
+                naga::AddressSpace::Uniform => (true, true),
+                naga::AddressSpace::Storage { access } => {
+                    (false, !access.contains(naga::StorageAccess::STORE))
+                }
+                _ => return None,
+            };
+            Some(KernelBinding {
+                binding: b.binding,
+                uniform,
+                read_only,
+            })
+        })
+        .collect();
+    bindings.sort_by_key(|b| b.binding);
+    let mut words = compile_words(&src, constants, false)?;
+    if declares_vulkan_model(&words) {
+        use_glsl450_memory_model(&mut words)?;
+    }
+    Ok((words, bindings))
+}
+
 /// SPIR-V of `src`'s `main` with its `override`s set to `constants`.
 pub fn compile(
+    src: &str,
+    constants: &[(&str, f64)],
+    bounds_checks: bool,
+) -> Result<Vec<u32>, String> {
+    let mut words = compile_words(src, constants, bounds_checks)?;
+    use_glsl450_memory_model(&mut words)?;
+    Ok(words)
+}
+
+/// naga's SPIR-V of `src`'s `main`, as it declares it.
+fn compile_words(
     src: &str,
     constants: &[(&str, f64)],
     bounds_checks: bool,
@@ -55,10 +111,24 @@ pub fn compile(
         shader_stage: naga::ShaderStage::Compute,
         entry_point: "main".into(),
     };
-    let mut words = naga::back::spv::write_vec(&module, &info, &options, Some(&pipeline))
-        .map_err(|e| format!("SPIR-V: {e:?}"))?;
-    use_glsl450_memory_model(&mut words)?;
-    Ok(words)
+    naga::back::spv::write_vec(&module, &info, &options, Some(&pipeline))
+        .map_err(|e| format!("SPIR-V: {e:?}"))
+}
+
+/// Whether the module's `OpMemoryModel` is the Vulkan one.
+fn declares_vulkan_model(words: &[u32]) -> bool {
+    let mut i = 5;
+    while i < words.len() {
+        let (count, op) = ((words[i] >> 16) as usize, words[i] & 0xffff);
+        if op == OP_MEMORY_MODEL {
+            return words.get(i + 2) == Some(&MEMORY_MODEL_VULKAN);
+        }
+        if count == 0 {
+            return false;
+        }
+        i += count;
+    }
+    false
 }
 
 const OP_EXTENSION: u32 = 10;
@@ -204,6 +274,38 @@ mod tests {
             }
         }
         assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    /// `kernel_spirv` (what `examples/pipeline_stats.rs` builds): any kernel compiles, its
+    /// group-0 bindings are listed in order with their kinds, and the coop GEMM comes out with
+    /// the GLSL450 memory model while a kernel naga gives GLSL450 anyway is left as it is.
+    #[test]
+    fn kernel_spirv_lists_bindings_and_fixes_the_memory_model() {
+        let (words, b) = kernel_spirv("rms_norm", &[]).unwrap();
+        assert!(b.len() >= 3, "{b:?}");
+        assert!(b.windows(2).all(|w| w[0].binding < w[1].binding), "{b:?}");
+        assert!(b[0].uniform && b[0].read_only, "{b:?}");
+        assert!(b.iter().any(|x| !x.uniform && !x.read_only), "{b:?}");
+        assert!(b.iter().any(|x| !x.uniform && x.read_only), "{b:?}");
+        let model = |w: &[u32]| {
+            let inst = instructions(w);
+            inst.iter()
+                .find(|i| i.0 == OP_MEMORY_MODEL)
+                .unwrap()
+                .1
+                .clone()
+        };
+        assert_eq!(model(&words), vec![0, MEMORY_MODEL_GLSL450]);
+        let consts = [
+            ("DTYPE", 2.0),
+            ("BN", 48.0),
+            ("GATED", 1.0),
+            ("GROUPED", 1.0),
+        ];
+        let (coop, _) = kernel_spirv("matmul_coop", &consts).unwrap();
+        assert_eq!(model(&coop), vec![0, MEMORY_MODEL_GLSL450]);
+        assert!(kernel_spirv("no_such_kernel", &[]).is_err());
+        assert!(kernel_spirv("rms_norm", &[("NO_SUCH_CONSTANT", 1.0)]).is_err());
     }
 
     #[test]

@@ -155,6 +155,9 @@ fn decode_attention_cases(ctx: &GpuContext) {
         // Head widths that are not a multiple of 32 (the K dot's 8-vec4 steps leave a rest).
         (4, 2, 36, 2, 20, 40, None),
         (8, 4, 80, 1, 100, 200, None),
+        // Wide heads: each invocation sums 3 and 4 vec4s of the output (o0..o3).
+        (4, 2, 384, 2, 30, 64, None),
+        (2, 1, 512, 1, 700, 800, None),
     ] {
         let kw = nkv * hd;
         let seed = (nh * 7 + pos0) as u64;
