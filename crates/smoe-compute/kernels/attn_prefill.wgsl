@@ -20,43 +20,17 @@
 // q is staged again at every key tile: all of a workgroup's (32 KiB at 64 rows × head_dim 128)
 // would not fit beside the tiles; it comes from L1/L2, as many bytes as the K and V tiles.
 // Staging areas of the phases share one array (`stage`): they are never live at the same time.
-// Workgroup (x, y) = (KV head, row tile from the last): the dispatch order runs through the
-// longest tiles of every KV head first (the last rows see the most keys), so the short ones
-// fill in behind them instead of one long tile starting last.
-// f32 throughout, no subgroup operations. Not measured on a GPU yet: `smoe bench kernels
-// --shape attn` times it, in every tile shape, beside attn_decode on the same chunk.
+// Workgroup (x, y, z) = (KV head, row tile from the last, unit of its keys): the dispatch order
+// runs through the longest tiles of every KV head first (the last rows see the most keys), so
+// the short ones fill in behind them instead of one long tile starting last; with SPLITS > 1 a
+// long tile's keys are also shared by several workgroups (attn_prefill_common.wgsl, prepended;
+// attn_prefill_merge.wgsl combines them).
+// f32 throughout, no subgroup operations. `smoe bench kernels --shape attn` times it, in every
+// tile shape, beside attn_decode on the same chunk.
 
-struct Params {
-    n_heads: u32,
-    n_kv: u32,
-    head_dim: u32,
-    n_tokens: u32,
-    q_off: u32,   // vec4 index of token 0's queries (token stride n_heads·head_dim)
-    kc_off: u32,  // vec4 index of position 0 of the K cache
-    vc_off: u32,  // vec4 index of position 0 of the V cache
-    out_off: u32, // vec4 index of token 0's output (token stride n_heads·head_dim)
-    scale: f32,
-    window: u32,  // attend only to the last `window` positions; 0: all
-    n_tiles: u32, // row tiles per KV head
-    _pad: u32,
-}
-
-struct Step {
-    pos0: u32,
-    _pad0: u32,
-    _pad1: u32,
-    _pad2: u32,
-}
-
-// As in common.wgsl: a finite "minus infinity", so exp(m - m) and max() stay well defined.
-const NEG_BIG: f32 = -3.0e38;
-const TX: u32 = 8u;
-// Keys per tile: 4 per column invocation.
-const BK: u32 = 4u * TX;
 // Largest OD: head_dim ≤ 256.
 const OD_MAX: u32 = 8u;
 
-override M: u32 = 64u;     // rows per workgroup, a multiple of 4
 override DS: u32 = 16u;    // head dims per score step, a multiple of 8
 override OD: u32 = 4u;     // vec4s of o per row and invocation: ceil(head_dim / 32)
 override KVC: u32 = 16u;   // keys per V chunk, dividing BK
@@ -68,26 +42,36 @@ override QP: u32 = DS / 8u;
 // V chunk row stride in vec4s, padded with zeros past head_dim so the o loop needs no guard.
 override VS: u32 = TX * OD;
 
-@group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<uniform> step: Step;
 @group(0) @binding(2) var<storage, read> q: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read> kc: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read> vc: array<vec4<f32>>;
 @group(0) @binding(5) var<storage, read_write> out: array<vec4<f32>>;
+// SPLITS > 1: the units' unnormalised outputs (vec4 (unit·M + row)·head_dim/4 + dim/4) and, from
+// p.ml_off, their rows' (max, sum, -, -).
+@group(0) @binding(6) var<storage, read_write> part: array<vec4<f32>>;
+// MERGE: a counter per (KV head, tile), and `part` again for atomic loads.
+@group(0) @binding(7) var<storage, read_write> done: array<atomic<u32>>;
+@group(0) @binding(8) var<storage, read_write> parta: array<atomic<u32>>;
+
+// Split tiles: the last unit of each tile to finish merges them (merge_tile) instead of
+// attn_prefill_merge's pass — as attn_decode's MERGE: publish (storageBarrier), count in on
+// done[tile], read the others' partials with atomic loads. Vulkan only.
+override MERGE: bool = false;
+
+fn part_vec(i: u32) -> vec4<f32> {
+    return vec4<f32>(
+        bitcast<f32>(atomicLoad(&parta[4u * i])),
+        bitcast<f32>(atomicLoad(&parta[4u * i + 1u])),
+        bitcast<f32>(atomicLoad(&parta[4u * i + 2u])),
+        bitcast<f32>(atomicLoad(&parta[4u * i + 3u])),
+    );
+}
 
 // Probabilities of the tile: ps[key][row], 4 rows per vec4.
 var<workgroup> ps: array<vec4<f32>, BK * M4>;
 // Score step: qs at 0 (vec4 d·M4 + row/4), ks at DS·M4 (vec4 d·BK/4 + key/4).
 // Softmax and end: red (vec4 tx·M4 + row/4). V chunk: vs (vec4 c·VS + dim/4).
 var<workgroup> stage: array<vec4<f32>, STAGE>;
-
-// First position a query at position n_ctx - 1 attends to.
-fn window_lo(n_ctx: u32) -> u32 {
-    if p.window != 0u && n_ctx > p.window {
-        return n_ctx - p.window;
-    }
-    return 0u;
-}
 
 @compute @workgroup_size(WG)
 fn main(
@@ -98,15 +82,25 @@ fn main(
     let kvw4 = p.n_kv * hd4;
     let grp = p.n_heads / p.n_kv;
     let kvh = wid.x;
-    let tile = p.n_tiles - 1u - wid.y;
+    // Workgroups in dispatch order (x, then y, then z) take the longest tiles first, and all
+    // units of a tile together (the dispatch is n_tiles × SPLITS in y and z).
+    let lin = wid.y + wid.z * p.n_tiles;
+    let tile = p.n_tiles - 1u - lin / SPLITS;
+    let unit = lin % SPLITS;
     let pos0 = step.pos0;
-    let r0 = tile * M;
-    let r1 = min(r0 + M, p.n_tokens * grp);
+    let tk = tile_keys(tile);
+    let r0 = tk.r0;
+    let r1 = tk.r1;
     let ty = li / TX;
     let tx = li % TX;
-    // Key range of the tile: from the first row's window start to the last row's position.
-    let k_begin = window_lo(pos0 + r0 / grp + 1u);
-    let k_end = pos0 + (r1 - 1u) / grp + 1u;
+    // This workgroup's unit of the tile's keys: whole key tiles (so no key tile straddles two
+    // units), none past the tile's last key.
+    if unit >= tk.n_units {
+        return;
+    }
+    let k_end = tk.k_end;
+    let kb = min(tk.k_begin + unit * tk.unit_len, k_end);
+    let ke = min(kb + tk.unit_len, k_end);
     // This invocation's rows: keys lo[i] <= key < hi[i]; none for rows past the end.
     var lo = vec4<u32>(0u);
     var hi = vec4<u32>(0u);
@@ -134,7 +128,7 @@ fn main(
     // s[i][j]: row 4ty + i, key kt + 4tx + j. Declared out here and cleared explicitly: a
     // declaration inside the loop relies on every backend re-initialising it per iteration.
     var s: array<vec4<f32>, 4>;
-    for (var kt = k_begin; kt < k_end; kt += BK) {
+    for (var kt = kb; kt < ke; kt += BK) {
         for (var i = 0u; i < 4u; i++) {
             s[i] = vec4<f32>(0.0);
         }
@@ -250,9 +244,13 @@ fn main(
     for (var x = 0u; x < TX; x++) {
         lt += stage[x * M4 + ty];
     }
+    let uid = (kvh * p.n_tiles + tile) * SPLITS + unit;
     for (var i = 0u; i < 4u; i++) {
         let r = r0 + 4u * ty + i;
-        if r < r1 {
+        if r >= r1 {
+            continue;
+        }
+        if tk.n_units == 1u {
             let ob = p.out_off + ((r / grp) * p.n_heads + kvh * grp + r % grp) * hd4;
             for (var k = 0u; k < OD; k++) {
                 let d4 = tx + TX * k;
@@ -260,6 +258,39 @@ fn main(
                     out[ob + d4] = o[i * OD_MAX + k] / lt[i];
                 }
             }
+        } else {
+            // A row that saw no key of this unit leaves (NEG_BIG, 0) and zeros: weight 0.
+            let pr = uid * M + 4u * ty + i;
+            for (var k = 0u; k < OD; k++) {
+                let d4 = tx + TX * k;
+                if d4 < hd4 {
+                    part[pr * hd4 + d4] = o[i * OD_MAX + k];
+                }
+            }
+            if tx == 0u {
+                part[p.ml_off + pr] = vec4<f32>(m[i], lt[i], 0.0, 0.0);
+            }
+        }
+    }
+    if MERGE && tk.n_units > 1u {
+        // Whether this is the tile's last unit goes through stage[0] (every read of stage is
+        // done): a workgroup variable of its own took 4 bytes more workgroup memory (24,580
+        // instead of 24,576 at M = 64), and with them every M = 64 tile ran as if fewer
+        // workgroups fitted an SM (H200, no splits: 512 tokens 181.8 → 154.9 µs, 512 tokens at
+        // position 3,584 1,693.8 → 2,115.8; with 2 units 148.8 → 178.8).
+        storageBarrier();
+        workgroupBarrier();
+        if li == 0u {
+            let c = kvh * p.n_tiles + tile;
+            let is_last = atomicAdd(&done[c], 1u) + 1u == tk.n_units;
+            if is_last {
+                atomicStore(&done[c], 0u);
+            }
+            stage[0] = vec4<f32>(select(0.0, 1.0, is_last));
+        }
+        if workgroupUniformLoad(&stage[0]).x != 0.0 {
+            storageBarrier();
+            merge_tile(kvh, tile, tk, li, WG);
         }
     }
 }

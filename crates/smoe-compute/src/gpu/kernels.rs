@@ -3,7 +3,8 @@
 //! `gemm_common.wgsl`: the GEMMs' parameters, bindings, loads and weight decoding; `topk.wgsl`:
 //! the router's softmax top-k; `rope.wgsl`: RoPE's rotation; `code_pair_f16.wgsl` /
 //! `code_pair_f32.wgsl`: the matvec's q4 code pairs, with and without f16 arithmetic;
-//! `attn_merge.wgsl`: decode attention's merge of its splits; `grid_wait.wgsl`: the wait of a
+//! `attn_merge.wgsl`: decode attention's merge of its splits; `attn_prefill_common.wgsl`: the
+//! prefill attention's parameters and its tiles' key units; `grid_wait.wgsl`: the wait of a
 //! barrier across a dispatch's workgroups, for two of the benchmarks' kernels) are prepended
 //! to the kernels that use them, since WGSL has no includes.
 
@@ -24,6 +25,10 @@ const MERGE: Fragment = ("attn_merge", include_str!("../../kernels/attn_merge.wg
 const CODE_PAIR_F16: Fragment = (
     "code_pair_f16",
     include_str!("../../kernels/code_pair_f16.wgsl"),
+);
+const PREFILL_COMMON: Fragment = (
+    "attn_prefill_common",
+    include_str!("../../kernels/attn_prefill_common.wgsl"),
 );
 const GRID_WAIT: Fragment = ("grid_wait", include_str!("../../kernels/grid_wait.wgsl"));
 const CODE_PAIR_F32: Fragment = (
@@ -106,7 +111,12 @@ const KERNELS: &[(&str, &str, &[Fragment])] = &[
     (
         "attn_prefill",
         include_str!("../../kernels/attn_prefill.wgsl"),
-        &[],
+        &[PREFILL_COMMON],
+    ),
+    (
+        "attn_prefill_merge",
+        include_str!("../../kernels/attn_prefill_merge.wgsl"),
+        &[PREFILL_COMMON],
     ),
     (
         "attn_combine",

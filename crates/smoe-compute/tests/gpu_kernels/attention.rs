@@ -479,7 +479,11 @@ fn prefill_attention_every_tile_matches_cpu() {
     ];
     for rows in [32, 64, 128] {
         for dims in [16, 32] {
-            let t = PrefillAttnTuning { rows, dims };
+            let t = PrefillAttnTuning {
+                rows,
+                dims,
+                splits: 1,
+            };
             for &(case, pos0s) in cases {
                 match check_prefill(ctx, case, pos0s, Some(t)) {
                     Err(GpuError::Shape(m)) if m.contains("workgroup memory") => {}
@@ -487,5 +491,42 @@ fn prefill_attention_every_tile_matches_cpu() {
                 }
             }
         }
+    }
+}
+
+/// Long tiles' keys shared by several workgroups and merged: every split count on chunks whose
+/// tiles split into 2..16 units, with windows that leave some rows nothing in some units, GQA
+/// groups 1 and 8, and a tile of 2,049 keys at 16 splits, whose last units round to no keys at
+/// all. Without splits (1) as the reference shape of the same tile. Merged in each tile's last
+/// unit where the context fuses tails, in a pass of their own otherwise: both.
+#[test]
+fn prefill_attention_split_keys_match_cpu() {
+    let Some(shared) = gpu() else { return };
+    let plain = GpuContext::without_fused_tails().unwrap();
+    for ctx in [shared, &plain] {
+        prefill_split_cases(ctx);
+    }
+}
+
+fn prefill_split_cases(ctx: &GpuContext) {
+    let cases: &[(PrefillCase, &[usize])] = &[
+        ((32, 4, 128, 64, 700, None), &[0, 600]),
+        ((8, 2, 64, 300, 700, None), &[0, 333]),
+        ((8, 1, 64, 200, 800, Some(300)), &[0, 500]),
+        ((4, 4, 48, 150, 600, Some(200)), &[250]),
+        ((4, 1, 64, 16, 2100, None), &[2033]),
+    ];
+    let base = PrefillAttnTuning::pick(ctx, 64);
+    for splits in [1, 2, 3, 8, 16] {
+        let t = PrefillAttnTuning { splits, ..base };
+        for &(case, pos0s) in cases {
+            check_prefill(ctx, case, pos0s, Some(t)).unwrap();
+        }
+    }
+    // Refused: no units, or more than the kernel takes.
+    for splits in [0, 17] {
+        let t = PrefillAttnTuning { splits, ..base };
+        let err = check_prefill(ctx, cases[0].0, &[0], Some(t)).unwrap_err();
+        assert!(matches!(err, GpuError::Shape(_)), "{err}");
     }
 }

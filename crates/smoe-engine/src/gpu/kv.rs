@@ -14,7 +14,7 @@ use super::{batch_sizes, gpu_err};
 use crate::error::EngineError;
 use smoe_compute::gpu::{
     wgpu, AttnDesc, BufRef, DecodeAttention, FusedRope, GpuContext, Launch, PrefillAttention,
-    QkNormRope, QkNormRopeDesc,
+    PrefillAttnTuning, QkNormRope, QkNormRopeDesc,
 };
 use smoe_vault::ModelConfig;
 use std::sync::{Mutex, Weak};
@@ -176,6 +176,8 @@ impl GpuKv {
             // The decode kernel's partial results: one buffer for all layers of this batch
             // size (their attention dispatches run one after another), created on first need.
             let mut scratch: Option<wgpu::Buffer> = None;
+            // The same for the prefill kernel's split tiles.
+            let mut prefill_scratch: Option<wgpu::Buffer> = None;
             for (l, lw) in x.w.layers.iter().enumerate() {
                 let r = rope_inputs(lw, x.a, c, n);
                 let desc = AttnDesc {
@@ -212,7 +214,13 @@ impl GpuKv {
                 };
                 let attn = match n >= PREFILL_MIN {
                     true => {
-                        Attention::Prefill(PrefillAttention::new(x.ctx, &desc).map_err(gpu_err)?)
+                        let t = PrefillAttnTuning::pick(x.ctx, hd);
+                        let bytes = PrefillAttention::scratch_bytes(&desc, t).max(16);
+                        let buf = prefill_scratch.get_or_insert_with(|| {
+                            x.ctx.storage_buffer("prefill attention partials", bytes)
+                        });
+                        let a = PrefillAttention::with_scratch(x.ctx, &desc, t, buf);
+                        Attention::Prefill(a.map_err(gpu_err)?)
                     }
                     false => {
                         let bytes = DecodeAttention::scratch_bytes(&desc).max(16);

@@ -1,6 +1,7 @@
 //! Prefill attention measurements for `gpu::bench`: one chunk's causal attention over the KV
 //! cache by `DecodeAttention` (the path prefill took before) and by `PrefillAttention` in each
-//! tile shape the device has the workgroup memory for, the default tile first. FLOP/s count the
+//! tile shape the device has the workgroup memory for (without key splits), the default tile
+//! first, and the default tile at 2, 4 and 8 splits. FLOP/s count the
 //! causal work only: 4·head_dim per (query head, visible key), for q·k and p·v.
 
 use super::timer::Timer;
@@ -82,16 +83,27 @@ pub(super) fn bench_attention(
         Ok(secs) => rows.push(row("attn_decode", None, secs / iters as f64)),
         Err(e) => errors.push(what("attn_decode", e)),
     }
+    // The default first; then every tile without splits, and the default tile at other splits.
     let pick = PrefillAttnTuning::pick(ctx, hd);
     let mut tunings = vec![pick];
     for rows in [32, 64, 128] {
         for dims in [16, 32] {
-            let t = PrefillAttnTuning { rows, dims };
-            if t != pick {
-                tunings.push(t);
-            }
+            tunings.push(PrefillAttnTuning {
+                rows,
+                dims,
+                splits: 1,
+            });
         }
     }
+    for splits in [2, 4, 8] {
+        tunings.push(PrefillAttnTuning { splits, ..pick });
+    }
+    let mut seen = vec![];
+    tunings.retain(|t| {
+        let new = !seen.contains(t);
+        seen.push(*t);
+        new
+    });
     for t in tunings {
         match PrefillAttention::with_tuning(ctx, &desc, t) {
             Ok(k) => match time(&|p| k.record(p)) {

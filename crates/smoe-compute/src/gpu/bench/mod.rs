@@ -324,11 +324,14 @@ impl BenchRow {
     }
 
     /// The kernel as the report prints it: "matmul tc 128x48x64" (tensor cores), "matmul
-    /// 128x48x16", "attn_prefill 64x32", or the kernel's name.
+    /// 128x48x16", "attn_prefill 64x32" (with key splits "64x32 /4"), or the kernel's name.
     pub fn kernel_label(&self) -> String {
         match (self.gemm, self.attn) {
             (Some(t), _) if t.coop => format!("matmul tc {}x{}x{}", t.bm, t.bn, t.bk),
             (Some(t), _) => format!("matmul {}x{}x{}", t.bm, t.bn, t.bk),
+            (_, Some(t)) if t.splits > 1 => {
+                format!("{} {}x{} /{}", self.kernel, t.rows, t.dims, t.splits)
+            }
             (_, Some(t)) => format!("{} {}x{}", self.kernel, t.rows, t.dims),
             _ => self.kernel.to_string(),
         }
