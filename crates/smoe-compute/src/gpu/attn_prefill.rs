@@ -100,6 +100,18 @@ impl PrefillAttnTuning {
             PrefillAttnTuning { dims: 16, ..wide }
         }
     }
+
+    /// `pick` for the chunk `a`, without key splits where their partial results would not fit
+    /// one storage binding of the device (then the longest tiles set the time, as before the
+    /// splits, instead of the chunk failing).
+    pub fn pick_for(ctx: &GpuContext, a: &AttnDesc) -> Self {
+        let t = Self::pick(ctx, a.head_dim);
+        let max = ctx.limits().max_storage_buffer_binding_size as u64;
+        match PrefillAttention::scratch_bytes(a, t) > max {
+            true => PrefillAttnTuning { splits: 1, ..t },
+            false => t,
+        }
+    }
 }
 
 #[repr(C)]
@@ -151,7 +163,7 @@ impl PrefillAttention {
 
     /// The default tile, with its own scratch buffer.
     pub fn new(ctx: &GpuContext, a: &AttnDesc) -> Result<Self, GpuError> {
-        Self::with_tuning(ctx, a, PrefillAttnTuning::pick(ctx, a.head_dim))
+        Self::with_tuning(ctx, a, PrefillAttnTuning::pick_for(ctx, a))
     }
 
     /// Tile shape `t`, with its own scratch buffer.

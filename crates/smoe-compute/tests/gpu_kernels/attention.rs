@@ -530,3 +530,59 @@ fn prefill_split_cases(ctx: &GpuContext) {
         assert!(matches!(err, GpuError::Shape(_)), "{err}");
     }
 }
+
+/// The default tile drops its key splits where their partial results would not fit one storage
+/// binding (a chunk that long then runs unsplit instead of failing), and a scratch buffer smaller
+/// than the split tiles need is refused.
+#[test]
+fn prefill_attention_splits_fit_the_device() {
+    let Some(ctx) = gpu() else { return };
+    let small = ctx.storage_buffer("small", 256);
+    let step = ctx.step_buffer();
+    let desc = |n_tokens| AttnDesc {
+        q: BufRef::new(&small),
+        k_cache: BufRef::new(&small),
+        v_cache: BufRef::new(&small),
+        out: BufRef::new(&small),
+        step: &step,
+        n_heads: 32,
+        n_kv_heads: 4,
+        head_dim: 128,
+        n_tokens,
+        capacity: n_tokens,
+        scale: 1.0,
+        window: None,
+    };
+    let max = ctx.limits().max_storage_buffer_binding_size as u64;
+    let short = desc(512);
+    let t = PrefillAttnTuning::pick_for(ctx, &short);
+    assert!(t.splits > 1, "{t:?}");
+    assert!(PrefillAttention::scratch_bytes(&short, t) <= max);
+    // Enough tokens for the default tile's partials to pass the device's binding limit (every
+    // 8 tokens are one more tile per KV head).
+    let per8 = PrefillAttention::scratch_bytes(&desc(8), PrefillAttnTuning::pick(ctx, 128));
+    let long = desc((max / per8 + 1) as usize * 8);
+    assert!(PrefillAttention::scratch_bytes(&long, PrefillAttnTuning::pick(ctx, 128)) > max);
+    let t = PrefillAttnTuning::pick_for(ctx, &long);
+    assert_eq!(t.splits, 1, "{t:?}");
+    assert_eq!(PrefillAttention::scratch_bytes(&long, t), 0);
+    // Too small a scratch for split tiles: refused with the sizes named.
+    let q = ctx.storage_buffer("q", 4 * 512 * 32 * 128);
+    let kv = ctx.storage_buffer("kv", 4 * 512 * 4 * 128);
+    let out = ctx.storage_buffer("out", 4 * 512 * 32 * 128);
+    let real = AttnDesc {
+        q: BufRef::new(&q),
+        k_cache: BufRef::new(&kv),
+        v_cache: BufRef::new(&kv),
+        out: BufRef::new(&out),
+        ..short
+    };
+    let t = PrefillAttnTuning::pick_for(ctx, &real);
+    let err = PrefillAttention::with_scratch(ctx, &real, t, &small)
+        .err()
+        .unwrap();
+    assert!(
+        matches!(&err, GpuError::Shape(m) if m.contains("scratch")),
+        "{err}"
+    );
+}

@@ -214,7 +214,7 @@ impl GpuKv {
                 };
                 let attn = match n >= PREFILL_MIN {
                     true => {
-                        let t = PrefillAttnTuning::pick(x.ctx, hd);
+                        let t = PrefillAttnTuning::pick_for(x.ctx, &desc);
                         let bytes = PrefillAttention::scratch_bytes(&desc, t).max(16);
                         let buf = prefill_scratch.get_or_insert_with(|| {
                             x.ctx.storage_buffer("prefill attention partials", bytes)
