@@ -1,8 +1,9 @@
 //! Prefill attention measurements for `gpu::bench`: one chunk's causal attention over the KV
 //! cache by `DecodeAttention` (the path prefill took before) and by `PrefillAttention` in each
 //! tile shape the device has the workgroup memory for (without key splits), the default tile
-//! first, and the default tile at 2, 4 and 8 splits. FLOP/s count the
-//! causal work only: 4·head_dim per (query head, visible key), for q·k and p·v.
+//! first, the default tile at 2, 4 and 8 splits, and the other row counts at the default
+//! splits. FLOP/s count the causal work only: 4·head_dim per (query head, visible key), for q·k
+//! and p·v.
 
 use super::timer::Timer;
 use super::{AttnBench, BenchRow, BenchShape};
@@ -97,6 +98,9 @@ pub(super) fn bench_attention(
     }
     for splits in [2, 4, 8] {
         tunings.push(PrefillAttnTuning { splits, ..pick });
+    }
+    for rows in [32, 128] {
+        tunings.push(PrefillAttnTuning { rows, ..pick });
     }
     let mut seen = vec![];
     tunings.retain(|t| {
