@@ -269,7 +269,12 @@ impl PrefillAttention {
         let merge = match t.splits == 1 || fused {
             true => None,
             false => {
-                let mc = [consts[0], consts[5], consts[6]];
+                // The merge reads only the tile geometry's constants.
+                let mc: Vec<(&'static str, f64)> = consts
+                    .iter()
+                    .filter(|(k, _)| ["M", "SPLITS", "UNIT_KEYS"].contains(k))
+                    .copied()
+                    .collect();
                 let bufs = [Binding::whole(a.step), part, ob];
                 let groups = [a.n_kv_heads, n_tiles, 1];
                 Some(Dispatch::new(
