@@ -46,7 +46,7 @@ fn tokens_do_not_depend_on_the_cache() {
         let v = TempVault::new(name, DType::Q4);
         let path = v.path();
         let prompt: Vec<u32> = (3..50).collect();
-        let resident = open(&path, CacheBudget::Resident, false);
+        let resident = open(path, CacheBudget::Resident, false);
         let want_tokens = greedy(&resident, &prompt, 24);
         let want_lp = resident.logprobs(&prompt).unwrap().logprobs;
         // 16 KiB pieces: every blob of these fixtures is read by several readers at once.
@@ -57,7 +57,7 @@ fn tokens_do_not_depend_on_the_cache() {
             (CacheBudget::Fraction(0.25), 16 << 10),
             (CacheBudget::Fraction(1.0), DEFAULT_READ_PIECE),
         ] {
-            let e = open_with(&path, budget, false, piece);
+            let e = open_with(path, budget, false, piece);
             assert!(e.model.experts().is_streaming());
             assert_eq!(greedy(&e, &prompt, 24), want_tokens, "{name} {budget:?}");
             // Expert outputs are summed in a fixed order: identical, not merely close.
@@ -125,7 +125,7 @@ fn a_failed_read_fails_the_request_names_the_expert_and_is_not_cached() {
     // The same engine keeps serving once the device recovers, and gives the right answer.
     failing.store(false, Ordering::SeqCst);
     let got = e.logprobs(&prompt).unwrap().logprobs;
-    let want = open(&path, CacheBudget::Resident, false)
+    let want = open(path, CacheBudget::Resident, false)
         .logprobs(&prompt)
         .unwrap()
         .logprobs;
@@ -136,14 +136,14 @@ fn a_failed_read_fails_the_request_names_the_expert_and_is_not_cached() {
 fn a_corrupt_blob_is_reported_with_layer_and_expert() {
     let v = TempVault::new("tiny-tied", DType::Q4);
     let path = v.path();
-    let v = smoe_vault::Vault::open(&path).unwrap();
+    let v = smoe_vault::Vault::open(path).unwrap();
     let blob = v.expert_entry(2, 5).unwrap().offset as usize;
     drop(v);
-    let mut bytes = std::fs::read(&path).unwrap();
+    let mut bytes = std::fs::read(path).unwrap();
     bytes[blob + 7] ^= 0x55;
-    std::fs::write(&path, &bytes).unwrap();
+    std::fs::write(path, &bytes).unwrap();
     for budget in [CacheBudget::Bytes(0), CacheBudget::Resident] {
-        let e = open(&path, budget, false);
+        let e = open(path, budget, false);
         // Enough tokens that every expert of layer 2 is used.
         let prompt: Vec<u32> = (0..400).map(|i| (i * 37 % 1000) as u32).collect();
         let err = e.logprobs(&prompt).unwrap_err().to_string();
@@ -160,13 +160,13 @@ fn the_profile_is_saved_and_preloads_the_next_start() {
     let path = v.path();
     let prompt: Vec<u32> = (5..60).collect();
     {
-        let e = open(&path, CacheBudget::Fraction(0.5), true);
+        let e = open(path, CacheBudget::Fraction(0.5), true);
         e.logprobs(&prompt).unwrap();
         e.model.experts().save_profile().unwrap();
     }
-    let profile = smoe_engine::store::profile::Profile::path_for(&path);
+    let profile = smoe_engine::store::profile::Profile::path_for(path);
     assert!(profile.exists());
-    let e = open(&path, CacheBudget::Fraction(0.5), true);
+    let e = open(path, CacheBudget::Fraction(0.5), true);
     let mut calls = 0;
     let loaded = e.model.experts().preload(&mut |_, _| calls += 1).unwrap();
     assert!(loaded > 0 && calls == loaded);
@@ -175,7 +175,7 @@ fn the_profile_is_saved_and_preloads_the_next_start() {
     let st = e.model.experts().stats().unwrap();
     assert!(st.total.hits > 0, "preloaded experts are hits");
     // Without profiles nothing is preloaded.
-    let e = open(&path, CacheBudget::Fraction(0.5), false);
+    let e = open(path, CacheBudget::Fraction(0.5), false);
     assert_eq!(e.model.experts().preload(&mut |_, _| {}).unwrap(), 0);
 }
 

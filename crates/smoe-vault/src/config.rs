@@ -269,14 +269,16 @@ impl ModelConfig {
     /// Structural checks that the engine relies on.
     pub fn validate(&self) -> Result<(), VaultError> {
         let bad = |m: String| Err(VaultError::Config(m));
-        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0
+        if self.num_heads == 0
+            || self.num_kv_heads == 0
+            || !self.num_heads.is_multiple_of(self.num_kv_heads)
         {
             return bad(format!(
                 "num_attention_heads ({}) must be a positive multiple of num_key_value_heads ({})",
                 self.num_heads, self.num_kv_heads
             ));
         }
-        if self.head_dim % 2 != 0 || self.head_dim == 0 {
+        if !self.head_dim.is_multiple_of(2) || self.head_dim == 0 {
             return bad(format!("head_dim {} must be even", self.head_dim));
         }
         let has_moe = self.ffn.contains(&FfnKind::Moe);

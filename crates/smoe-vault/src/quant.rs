@@ -66,7 +66,7 @@ impl DType {
 
     /// Whether `cols` inputs can be stored in this type.
     pub fn check_cols(self, cols: usize) -> Result<(), String> {
-        if self.is_quantized() && cols % GROUP != 0 {
+        if self.is_quantized() && !cols.is_multiple_of(GROUP) {
             return Err(format!(
                 "input dimension {cols} is not a multiple of {GROUP}"
             ));

@@ -67,10 +67,10 @@ pub struct QkNormRope {
 impl QkNormRope {
     pub fn new(ctx: &GpuContext, a: &QkNormRopeDesc) -> Result<Self, GpuError> {
         let (hd, kvw) = (a.head_dim, a.n_kv_heads * a.head_dim);
-        if a.rot_dim % 2 != 0
+        if !a.rot_dim.is_multiple_of(2)
             || a.rot_dim > hd
             || a.n_kv_heads == 0
-            || a.n_heads % a.n_kv_heads != 0
+            || !a.n_heads.is_multiple_of(a.n_kv_heads)
         {
             return Err(GpuError::Shape(format!(
                 "qk_norm_rope: rot_dim {} head_dim {hd}, {} heads over {} kv heads",
@@ -330,7 +330,11 @@ impl DecodeAttention {
                 Self::scratch_bytes(a)
             )));
         }
-        if hd % 4 != 0 || hd > MAX_HEAD_DIM || a.n_kv_heads == 0 || a.n_heads % a.n_kv_heads != 0 {
+        if !hd.is_multiple_of(4)
+            || hd > MAX_HEAD_DIM
+            || a.n_kv_heads == 0
+            || !a.n_heads.is_multiple_of(a.n_kv_heads)
+        {
             return Err(GpuError::Shape(format!(
                 "attention: head_dim {hd} (multiple of 4, at most {MAX_HEAD_DIM}), {} heads over {} kv heads",
                 a.n_heads, a.n_kv_heads

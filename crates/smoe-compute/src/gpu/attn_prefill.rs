@@ -94,7 +94,7 @@ impl PrefillAttnTuning {
             splits: PREFILL_SPLITS,
         };
         let limit = ctx.limits().max_compute_workgroup_storage_size as u64;
-        if head_dim % 32 == 0 && prefill_consts(wide, head_dim, limit).1 <= limit {
+        if head_dim.is_multiple_of(32) && prefill_consts(wide, head_dim, limit).1 <= limit {
             wide
         } else {
             PrefillAttnTuning { dims: 16, ..wide }
@@ -106,7 +106,7 @@ impl PrefillAttnTuning {
     /// splits, instead of the chunk failing).
     pub fn pick_for(ctx: &GpuContext, a: &AttnDesc) -> Self {
         let t = Self::pick(ctx, a.head_dim);
-        let max = ctx.limits().max_storage_buffer_binding_size as u64;
+        let max = ctx.limits().max_storage_buffer_binding_size;
         match PrefillAttention::scratch_bytes(a, t) > max {
             true => PrefillAttnTuning { splits: 1, ..t },
             false => t,
@@ -187,10 +187,10 @@ impl PrefillAttention {
     ) -> Result<Self, GpuError> {
         let hd = a.head_dim;
         if hd == 0
-            || hd % 4 != 0
+            || !hd.is_multiple_of(4)
             || hd > PREFILL_MAX_HEAD_DIM
             || a.n_kv_heads == 0
-            || a.n_heads % a.n_kv_heads != 0
+            || !a.n_heads.is_multiple_of(a.n_kv_heads)
         {
             return Err(GpuError::Shape(format!(
                 "prefill attention: head_dim {hd} (multiple of 4, at most \

@@ -41,7 +41,7 @@ impl<'a> BufRef<'a> {
         n: usize,
         elem_bytes: u64,
     ) -> Result<(Binding<'a>, u32), GpuError> {
-        if self.offset % elem_bytes != 0 {
+        if !self.offset.is_multiple_of(elem_bytes) {
             return Err(GpuError::Shape(format!(
                 "{what}: offset {} is not a multiple of {elem_bytes}",
                 self.offset
@@ -155,7 +155,7 @@ impl GpuContext {
     /// A storage buffer holding `data` (padded with zeros to a multiple of 16 bytes).
     pub fn upload(&self, label: &str, data: &[u8]) -> wgpu::Buffer {
         let mut padded;
-        let bytes = if data.len() % 16 == 0 && !data.is_empty() {
+        let bytes = if data.len().is_multiple_of(16) && !data.is_empty() {
             data
         } else {
             padded = data.to_vec();

@@ -40,7 +40,7 @@ impl EmbedGather {
             ))
         };
         w.dtype.check_cols(w.cols).map_err(err)?;
-        if w.offset % 4 != 0 || w.rows == 0 || w.cols == 0 || n_tokens == 0 {
+        if !w.offset.is_multiple_of(4) || w.rows == 0 || w.cols == 0 || n_tokens == 0 {
             return Err(err(
                 "offset must be a multiple of 4, shape and tokens > 0".into()
             ));

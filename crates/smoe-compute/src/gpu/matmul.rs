@@ -179,7 +179,7 @@ impl MatMulTuning {
             }
             if self.bm != 128
                 || !matches!(self.bk, 32 | 64)
-                || self.bn % 16 != 0
+                || !self.bn.is_multiple_of(16)
                 || !(16..=64).contains(&self.bn)
             {
                 return Err(format!(
@@ -198,7 +198,7 @@ impl MatMulTuning {
         // A group of 32 invocations covers 8 × 4 (row, token) blocks: bm / 8 and bn / 4 are
         // multiples of 8 and 4.
         if !matches!(self.bm, 64 | 128)
-            || self.bn % 16 != 0
+            || !self.bn.is_multiple_of(16)
             || !(16..=128).contains(&self.bn)
             || !matches!(self.bk, 16 | 32)
         {
@@ -305,7 +305,7 @@ impl MatMul {
             |m: String| GpuError::Shape(format!("matmul {}x{} {}: {m}", w.rows, w.cols, w.dtype));
         w.dtype.check_cols(w.cols).map_err(err)?;
         tune.check(ctx, w.dtype).map_err(err)?;
-        if w.cols % 8 != 0 || w.offset % 16 != 0 || w.rows == 0 {
+        if !w.cols.is_multiple_of(8) || !w.offset.is_multiple_of(16) || w.rows == 0 {
             return Err(err(
                 "cols must be a multiple of 8, offset of 16, rows > 0".into()
             ));
@@ -401,7 +401,7 @@ impl MatMul {
             }
         };
         let extra = (n_mats as u64 - 1) * mat_stride + d.up_offset.unwrap_or(0);
-        let split = split_rows(ctx, &w, extra, d.grouped.is_none(), "matmul weights", &err)?;
+        let split = split_rows(ctx, &w, extra, d.grouped.is_none(), "matmul weights", err)?;
         if d.y_split.is_some() && split.len() > 1 {
             return Err(err(
                 "output regions of a matrix larger than a storage binding".into(),

@@ -391,7 +391,7 @@ impl<'a> Tail<'a> {
                 "a sum tail needs a grouped, ungated product of one token".into(),
             ));
         }
-        if t.k == 0 || slots % t.k != 0 {
+        if t.k == 0 || !slots.is_multiple_of(t.k) {
             return Err(err(format!(
                 "{slots} slots do not sum in groups of {}",
                 t.k
@@ -455,7 +455,11 @@ impl MatVec {
         let err =
             |m: String| GpuError::Shape(format!("matvec {}x{} {}: {m}", w.rows, w.cols, w.dtype));
         w.dtype.check_cols(w.cols).map_err(err)?;
-        if w.cols % 8 != 0 || w.offset % 16 != 0 || d.n_tokens == 0 || w.rows == 0 {
+        if !w.cols.is_multiple_of(8)
+            || !w.offset.is_multiple_of(16)
+            || d.n_tokens == 0
+            || w.rows == 0
+        {
             return Err(err(
                 "cols must be a multiple of 8, offset of 16, rows and tokens > 0".into(),
             ));
@@ -473,7 +477,7 @@ impl MatVec {
                         "a reduce over {k} slots needs a grouped, ungated product without a norm"
                     )));
                 }
-                if k == 0 || k > NT_MAX || slots % k != 0 || d.n_tokens != 1 {
+                if k == 0 || k > NT_MAX || !slots.is_multiple_of(k) || d.n_tokens != 1 {
                     return Err(err(format!(
                         "{slots} slots of {} tokens do not reduce in groups of {k} (1..={NT_MAX})",
                         d.n_tokens
@@ -596,7 +600,7 @@ impl MatVec {
 
         // Split rows so that each part's weight range fits one storage binding.
         let extra = (n_mats as u64 - 1) * mat_stride + d.up_offset.unwrap_or(0);
-        let split = split_rows(ctx, &w, extra, d.grouped.is_none(), "matvec weights", &err)?;
+        let split = split_rows(ctx, &w, extra, d.grouped.is_none(), "matvec weights", err)?;
         if tail.kind != 0 && split.len() > 1 {
             return Err(err(
                 "a fused tail needs the weights in one storage binding".into()

@@ -249,7 +249,7 @@ impl Eltwise {
         let dummy;
         let (code, c, nb, (bb, b_off)) = match op {
             EltOp::AddRows { bias, len } => {
-                if len == 0 || n % len != 0 {
+                if len == 0 || !n.is_multiple_of(len) {
                     return Err(GpuError::Shape(format!(
                         "eltwise: {n} values are not rows of {len}"
                     )));

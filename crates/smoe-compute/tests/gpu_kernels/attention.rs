@@ -553,7 +553,7 @@ fn prefill_attention_splits_fit_the_device() {
         scale: 1.0,
         window: None,
     };
-    let max = ctx.limits().max_storage_buffer_binding_size as u64;
+    let max = ctx.limits().max_storage_buffer_binding_size;
     let short = desc(512);
     let t = PrefillAttnTuning::pick_for(ctx, &short);
     assert!(t.splits > 1, "{t:?}");
