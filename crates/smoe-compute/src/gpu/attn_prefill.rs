@@ -21,8 +21,10 @@ pub struct PrefillAttnTuning {
     /// (query token, q head of the group) rows per workgroup: 32, 64 or 128, two invocations
     /// per row. More rows share each K/V tile among more queries but make fewer workgroups.
     pub rows: usize,
-    /// Head dimensions per step of the scores: 16 or 32 (half the barriers, more workgroup
-    /// memory).
+    /// Head dimensions per step of the scores: 16, 32, 64 or 128. Each step stages its slice of
+    /// q and of the key tile behind two barriers, so wider steps mean fewer round trips and
+    /// barriers per key tile (128 at head_dim 128: the whole tile in one) for more workgroup
+    /// memory (32 rows × 128 dims: 36 KiB).
     pub dims: usize,
     /// Most workgroups a tile's keys are shared by, 1 to 16 (1: no split and no merge pass).
     /// Each takes at least `PREFILL_UNIT_KEYS` keys, so short tiles stay whole; which tiles
@@ -201,7 +203,7 @@ impl PrefillAttention {
         let limit = ctx.limits().max_compute_workgroup_storage_size as u64;
         let (consts, bytes) = prefill_consts(t, hd, limit);
         if ![32, 64, 128].contains(&t.rows)
-            || ![16, 32].contains(&t.dims)
+            || ![16, 32, 64, 128].contains(&t.dims)
             || !(1..=16).contains(&t.splits)
             || bytes > limit
         {

@@ -1,8 +1,8 @@
 //! Prefill attention measurements for `gpu::bench`: one chunk's causal attention over the KV
 //! cache by `DecodeAttention` (the path prefill took before) and by `PrefillAttention` in each
 //! tile shape the device has the workgroup memory for (without key splits), the default tile
-//! first, the default tile at 2, 4 and 8 splits, and the other row counts at the default
-//! splits. FLOP/s count the causal work only: 4·head_dim per (query head, visible key), for q·k
+//! first, the default tile at 2, 4 and 8 splits, the other row counts at the default splits, and
+//! 32-row tiles with 64- and 128-dim score steps at the default splits. FLOP/s count the causal work only: 4·head_dim per (query head, visible key), for q·k
 //! and p·v.
 
 use super::timer::Timer;
@@ -88,7 +88,7 @@ pub(super) fn bench_attention(
     let pick = PrefillAttnTuning::pick(ctx, hd);
     let mut tunings = vec![pick];
     for rows in [32, 64, 128] {
-        for dims in [16, 32] {
+        for dims in [16, 32, 64, 128] {
             tunings.push(PrefillAttnTuning {
                 rows,
                 dims,
@@ -101,6 +101,13 @@ pub(super) fn bench_attention(
     }
     for rows in [32, 128] {
         tunings.push(PrefillAttnTuning { rows, ..pick });
+    }
+    for dims in [64, 128] {
+        tunings.push(PrefillAttnTuning {
+            rows: 32,
+            dims,
+            ..pick
+        });
     }
     let mut seen = vec![];
     tunings.retain(|t| {
