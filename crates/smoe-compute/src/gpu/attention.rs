@@ -8,7 +8,6 @@
 
 use super::buffers::{Binding, BufRef};
 use super::context::{GpuContext, GpuError};
-use super::launch::Launch;
 use super::ops::{recordable, Dispatch};
 
 /// Per-head RMSNorm of q and k, RoPE on both, and the append of k and v to the caches.
@@ -466,22 +465,4 @@ impl DecodeAttention {
         })
     }
 }
-impl DecodeAttention {
-    /// Records the kernel into an open compute pass.
-    pub fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
-        self.record_with(pass, &mut Launch::Direct);
-    }
-
-    /// Records the kernel, launched as `launch` says.
-    pub fn record_with(&self, pass: &mut wgpu::ComputePass<'_>, launch: &mut Launch) {
-        self.split.record_with(pass, launch);
-        if let Some(c) = &self.combine {
-            c.record_with(pass, launch);
-        }
-    }
-
-    /// Records the kernel into its own compute pass of `enc`.
-    pub fn encode(&self, enc: &mut wgpu::CommandEncoder) {
-        super::in_pass(enc, "attention", |p| self.record(p));
-    }
-}
+recordable!(DecodeAttention, "attention", split, combine);

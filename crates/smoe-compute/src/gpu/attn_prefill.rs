@@ -9,8 +9,7 @@
 use super::attention::{AttnBindings, AttnDesc};
 use super::buffers::Binding;
 use super::context::{GpuContext, GpuError};
-use super::launch::Launch;
-use super::ops::Dispatch;
+use super::ops::{recordable, Dispatch};
 
 /// Largest head dimension [`PrefillAttention`] takes (its output block lives in registers).
 pub const PREFILL_MAX_HEAD_DIM: usize = 256;
@@ -299,22 +298,5 @@ impl PrefillAttention {
     pub fn tuning(&self) -> PrefillAttnTuning {
         self.tuning
     }
-
-    /// Records the kernel (and its merge) into an open compute pass.
-    pub fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
-        self.record_with(pass, &mut Launch::Direct);
-    }
-
-    /// Records the kernel (and its merge), launched as `launch` says.
-    pub fn record_with(&self, pass: &mut wgpu::ComputePass<'_>, launch: &mut Launch) {
-        self.d.record_with(pass, launch);
-        if let Some(m) = &self.merge {
-            m.record_with(pass, launch);
-        }
-    }
-
-    /// Records the kernel into its own compute pass of `enc`.
-    pub fn encode(&self, enc: &mut wgpu::CommandEncoder) {
-        super::in_pass(enc, "prefill attention", |p| self.record(p));
-    }
 }
+recordable!(PrefillAttention, "prefill attention", d, merge);

@@ -54,7 +54,28 @@ impl Dispatch {
     }
 }
 
-/// Implements `record` and `encode` for a wrapper made of `Dispatch`es run in order.
+/// A part of a wrapper that `recordable!` records: a dispatch, or one the wrapper's shape may
+/// leave out (a merge pass that runs only where tails are not fused).
+pub(crate) trait RecordPart {
+    fn record_part(&self, pass: &mut wgpu::ComputePass<'_>, launch: &mut Launch);
+}
+
+impl RecordPart for Dispatch {
+    fn record_part(&self, pass: &mut wgpu::ComputePass<'_>, launch: &mut Launch) {
+        self.record_with(pass, launch);
+    }
+}
+
+impl RecordPart for Option<Dispatch> {
+    fn record_part(&self, pass: &mut wgpu::ComputePass<'_>, launch: &mut Launch) {
+        if let Some(d) = self {
+            d.record_with(pass, launch);
+        }
+    }
+}
+
+/// Implements `record` and `encode` for a wrapper made of `Dispatch`es (or optional ones) run
+/// in order.
 macro_rules! recordable {
     ($t:ty, $label:literal, $($field:ident),+) => {
         impl $t {
@@ -68,7 +89,7 @@ macro_rules! recordable {
                 pass: &mut wgpu::ComputePass<'_>,
                 launch: &mut $crate::gpu::Launch,
             ) {
-                $(self.$field.record_with(pass, launch);)+
+                $($crate::gpu::ops::RecordPart::record_part(&self.$field, pass, launch);)+
             }
             /// Records the kernel into its own compute pass of `enc`.
             pub fn encode(&self, enc: &mut wgpu::CommandEncoder) {

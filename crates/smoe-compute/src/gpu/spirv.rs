@@ -50,7 +50,7 @@ pub fn kernel_spirv(
         })
         .collect();
     bindings.sort_by_key(|b| b.binding);
-    let mut words = compile_words(&src, constants, false)?;
+    let mut words = compile_module(&module, constants, false)?;
     if declares_vulkan_model(&words) {
         use_glsl450_memory_model(&mut words)?;
     }
@@ -74,17 +74,26 @@ fn compile_words(
     constants: &[(&str, f64)],
     bounds_checks: bool,
 ) -> Result<Vec<u32>, String> {
-    use naga::valid::{Capabilities, ShaderStages, SubgroupOperationSet, ValidationFlags};
     let module = naga::front::wgsl::parse_str(src).map_err(|e| e.emit_to_string(src))?;
+    compile_module(&module, constants, bounds_checks)
+}
+
+/// naga's SPIR-V of a parsed module's `main`, as it declares it.
+fn compile_module(
+    module: &naga::Module,
+    constants: &[(&str, f64)],
+    bounds_checks: bool,
+) -> Result<Vec<u32>, String> {
+    use naga::valid::{Capabilities, ShaderStages, SubgroupOperationSet, ValidationFlags};
     let mut validator = naga::valid::Validator::new(ValidationFlags::all(), Capabilities::all());
     validator
         .subgroup_stages(ShaderStages::COMPUTE)
         .subgroup_operations(SubgroupOperationSet::all());
-    let info = validator.validate(&module).map_err(|e| format!("{e:?}"))?;
+    let info = validator.validate(module).map_err(|e| format!("{e:?}"))?;
     let mut consts = naga::back::PipelineConstants::default();
     consts.extend(constants.iter().map(|(k, v)| (k.to_string(), *v)));
     let (module, info) =
-        naga::back::pipeline_constants::process_overrides(&module, &info, None, &consts)
+        naga::back::pipeline_constants::process_overrides(module, &info, None, &consts)
             .map_err(|e| format!("overrides: {e:?}"))?;
     let check = match bounds_checks {
         true => naga::proc::BoundsCheckPolicy::Restrict,

@@ -124,15 +124,20 @@ fn qk_norm_rope_append_matches_cpu() {
     }
 }
 
-#[test]
-fn decode_attention_matches_cpu_any_context() {
+/// Runs `cases` on the shared context and on one without fused tails: split attention merges
+/// in its last split's (or unit's) workgroup where tails are fused, in a pass of its own
+/// otherwise, and both must match the CPU.
+fn with_and_without_fused_tails(cases: fn(&GpuContext)) {
     let Some(shared) = gpu() else { return };
-    // Several splits merge in their last split's workgroup where the context fuses tails, in
-    // a combine pass otherwise: both.
     let plain = GpuContext::without_fused_tails().unwrap();
     for ctx in [shared, &plain] {
-        decode_attention_cases(ctx);
+        cases(ctx);
     }
+}
+
+#[test]
+fn decode_attention_matches_cpu_any_context() {
+    with_and_without_fused_tails(decode_attention_cases);
 }
 
 fn decode_attention_cases(ctx: &GpuContext) {
@@ -228,11 +233,7 @@ fn decode_attention_cases(ctx: &GpuContext) {
 /// output, the appended key and value, and the rest of the cache left alone.
 #[test]
 fn decode_attention_with_rope_matches_cpu() {
-    let Some(shared) = gpu() else { return };
-    let plain = GpuContext::without_fused_tails().unwrap();
-    for ctx in [shared, &plain] {
-        decode_attention_rope_cases(ctx);
-    }
+    with_and_without_fused_tails(decode_attention_rope_cases);
 }
 
 fn decode_attention_rope_cases(ctx: &GpuContext) {
@@ -511,11 +512,7 @@ fn prefill_attention_every_tile_matches_cpu() {
 /// unit where the context fuses tails, in a pass of their own otherwise: both.
 #[test]
 fn prefill_attention_split_keys_match_cpu() {
-    let Some(shared) = gpu() else { return };
-    let plain = GpuContext::without_fused_tails().unwrap();
-    for ctx in [shared, &plain] {
-        prefill_split_cases(ctx);
-    }
+    with_and_without_fused_tails(prefill_split_cases);
 }
 
 fn prefill_split_cases(ctx: &GpuContext) {

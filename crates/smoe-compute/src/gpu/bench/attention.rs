@@ -2,8 +2,8 @@
 //! cache by `DecodeAttention` (the path prefill took before) and by `PrefillAttention` in each
 //! tile shape the device has the workgroup memory for (without key splits), the default tile
 //! first, the default tile at 2, 4 and 8 splits, the other row counts at the default splits, and
-//! 32-row tiles with 64- and 128-dim score steps at the default splits. FLOP/s count the causal work only: 4·head_dim per (query head, visible key), for q·k
-//! and p·v.
+//! 32-row tiles with 64- and 128-dim score steps at the default splits. FLOP/s count the causal
+//! work only: 4·head_dim per (query head, visible key), for q·k and p·v.
 
 use super::timer::Timer;
 use super::{AttnBench, BenchRow, BenchShape};
@@ -84,12 +84,18 @@ pub(super) fn bench_attention(
         Ok(secs) => rows.push(row("attn_decode", None, secs / iters as f64)),
         Err(e) => errors.push(what("attn_decode", e)),
     }
-    // The default first; then every tile without splits, and the default tile at other splits.
+    // The default first; then every tile without splits, the default tile at other splits,
+    // and other tiles at the default's. Each once.
     let pick = PrefillAttnTuning::pick(ctx, hd);
     let mut tunings = vec![pick];
+    let mut add = |t: PrefillAttnTuning| {
+        if !tunings.contains(&t) {
+            tunings.push(t);
+        }
+    };
     for rows in [32, 64, 128] {
         for dims in [16, 32, 64, 128] {
-            tunings.push(PrefillAttnTuning {
+            add(PrefillAttnTuning {
                 rows,
                 dims,
                 splits: 1,
@@ -97,24 +103,18 @@ pub(super) fn bench_attention(
         }
     }
     for splits in [2, 4, 8] {
-        tunings.push(PrefillAttnTuning { splits, ..pick });
+        add(PrefillAttnTuning { splits, ..pick });
     }
     for rows in [32, 128] {
-        tunings.push(PrefillAttnTuning { rows, ..pick });
+        add(PrefillAttnTuning { rows, ..pick });
     }
     for dims in [64, 128] {
-        tunings.push(PrefillAttnTuning {
+        add(PrefillAttnTuning {
             rows: 32,
             dims,
             ..pick
         });
     }
-    let mut seen = vec![];
-    tunings.retain(|t| {
-        let new = !seen.contains(t);
-        seen.push(*t);
-        new
-    });
     for t in tunings {
         match PrefillAttention::with_tuning(ctx, &desc, t) {
             Ok(k) => match time(&|p| k.record(p)) {
