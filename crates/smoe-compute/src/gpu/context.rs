@@ -36,6 +36,25 @@ pub struct GpuInfo {
     /// Whether kernels may finish in their dispatch's last workgroup (`Fuse::route`,
     /// `Fuse::sum_into`; see `fused_tails_probe`).
     pub fused_tails: bool,
+    /// The tensor-core GEMM's barriers are execution barriers without memory semantics
+    /// (`spirv::execution_only_barriers`): on NVIDIA's own driver, unless `SMOE_EXEC_BARRIERS=0`
+    /// (`=1` forces them wherever the matrix units are used).
+    pub exec_barriers: bool,
+}
+
+/// `SMOE_EXEC_BARRIERS`: `Some(false)` for 0, `Some(true)` for 1, else `None` (the default).
+pub(crate) fn exec_barriers_setting() -> Option<bool> {
+    match std::env::var("SMOE_EXEC_BARRIERS").as_deref() {
+        Ok("0") => Some(false),
+        Ok("1") => Some(true),
+        _ => None,
+    }
+}
+
+/// Whether the adapter is NVIDIA's own Vulkan driver (not Mesa's NVK), whose workgroup
+/// barrier orders shared memory by itself (see `spirv::execution_only_barriers`).
+fn nvidia_driver(info: &wgpu::AdapterInfo) -> bool {
+    info.backend == wgpu::Backend::Vulkan && info.vendor == 0x10de && info.driver.contains("NVIDIA")
 }
 
 /// Fused tails rely on a storage barrier publishing a workgroup's writes device-wide before its
@@ -142,7 +161,15 @@ impl fmt::Display for GpuInfo {
             if self.fused_tails { "on" } else { "off" }
         )?;
         match &self.matrix_units {
-            MatrixUnits::Used => write!(f, "matrix units (prefill GEMMs): f16 16x16x16, f32 sums"),
+            MatrixUnits::Used => write!(
+                f,
+                "matrix units (prefill GEMMs): f16 16x16x16, f32 sums{}",
+                if self.exec_barriers {
+                    ", execution-only barriers"
+                } else {
+                    ""
+                }
+            ),
             MatrixUnits::Unused(why) => write!(f, "matrix units (prefill GEMMs): not used ({why})"),
         }
     }
@@ -233,8 +260,11 @@ impl GpuContext {
             .await
             .map_err(|e| GpuError::Device(e.to_string()))?;
         let fused_tails = tails && fused_tails_probe(&ainfo);
+        let exec_barriers = matrix_units == MatrixUnits::Used
+            && exec_barriers_setting().unwrap_or_else(|| nvidia_driver(&ainfo));
         let info = GpuInfo {
             fused_tails,
+            exec_barriers,
             adapter: ainfo,
             features,
             limits,
@@ -331,8 +361,13 @@ impl GpuContext {
             };
             let src =
                 kernels::kernel_source(kernel).ok_or_else(|| fail("no such kernel".into()))?;
-            let words =
-                super::spirv::compile(&src, constants, self.info.bounds_checks).map_err(fail)?;
+            let words = super::spirv::compile(
+                &src,
+                constants,
+                self.info.bounds_checks,
+                self.info.exec_barriers,
+            )
+            .map_err(fail)?;
             let entries: Vec<wgpu::BindGroupLayoutEntry> = bindings
                 .iter()
                 .enumerate()
