@@ -78,9 +78,11 @@ pub fn compile(
     Ok(words)
 }
 
-/// Rewrites every `OpControlBarrier` (naga's `workgroupBarrier()`: workgroup scope, memory
+/// Rewrites every `OpControlBarrier` of naga's `workgroupBarrier()` (memory scope Workgroup,
 /// semantics AcquireRelease | WorkgroupMemory) to an execution barrier with memory semantics
-/// None, through a new u32 constant 0.
+/// None, through a new u32 constant 0. Barriers that also order storage buffers
+/// (`storageBarrier()`: device scope, UniformMemory — what the fused tails' count-in relies on)
+/// keep their semantics.
 ///
 /// Why: NVIDIA's Vulkan driver compiles the tensor-core GEMM's barriers with those semantics
 /// into something slower than its plain workgroup barrier: H200, `bench kernels --shape pf512
@@ -98,6 +100,8 @@ pub fn execution_only_barriers(words: &mut Vec<u32>) -> Result<(), String> {
     }
     let mut u32_type = None;
     let mut first_function = None;
+    // id → (type, value) of every one-word constant.
+    let mut values = std::collections::HashMap::new();
     let mut i = HEADER;
     while i < words.len() {
         let (count, op) = ((words[i] >> 16) as usize, words[i] & 0xffff);
@@ -106,6 +110,9 @@ pub fn execution_only_barriers(words: &mut Vec<u32>) -> Result<(), String> {
         }
         if op == OP_TYPE_INT && count == 4 && words[i + 2] == 32 && words[i + 3] == 0 {
             u32_type = Some(words[i + 1]);
+        }
+        if op == OP_CONSTANT && count == 4 {
+            values.insert(words[i + 2], (words[i + 1], words[i + 3]));
         }
         if op == OP_FUNCTION && first_function.is_none() {
             first_function = Some(i);
@@ -126,7 +133,11 @@ pub fn execution_only_barriers(words: &mut Vec<u32>) -> Result<(), String> {
         let (count, op) = ((words[i] >> 16) as usize, words[i] & 0xffff);
         let start = out.len();
         out.extend_from_slice(&words[i..i + count]);
-        if op == OP_CONTROL_BARRIER {
+        let value = |id: u32| values.get(&id).filter(|(t, _)| *t == ty).map(|(_, v)| *v);
+        if op == OP_CONTROL_BARRIER
+            && value(words[i + 2]) == Some(SCOPE_WORKGROUP)
+            && value(words[i + 3]) == Some(WORKGROUP_ACQUIRE_RELEASE)
+        {
             out[start + 3] = zero;
         }
         i += count;
@@ -212,6 +223,9 @@ const OP_TYPE_INT: u32 = 21;
 const OP_CONSTANT: u32 = 43;
 const OP_FUNCTION: u32 = 54;
 const OP_CONTROL_BARRIER: u32 = 224;
+const SCOPE_WORKGROUP: u32 = 2;
+/// AcquireRelease (0x8) | WorkgroupMemory (0x100).
+const WORKGROUP_ACQUIRE_RELEASE: u32 = 0x108;
 const OP_MEMORY_MODEL: u32 = 14;
 const OP_CAPABILITY: u32 = 17;
 const CAPABILITY_VULKAN_MEMORY_MODEL: u32 = 5345;
@@ -330,6 +344,14 @@ mod tests {
     /// `execution_only_barriers`: every barrier of the GEMM (it has several) now names one new
     /// u32 constant 0, declared before the first function under a raised id bound; nothing else
     /// changes; and a module that is not SPIR-V is refused.
+    fn u32_type_of(words: &[u32]) -> u32 {
+        instructions(words)
+            .into_iter()
+            .find(|i| i.0 == OP_TYPE_INT && i.1[1..] == [32, 0])
+            .map(|i| i.1[0])
+            .unwrap()
+    }
+
     #[test]
     fn barriers_lose_their_memory_semantics_and_nothing_else() {
         let src = crate::gpu::kernel_source("matmul_coop").unwrap();
@@ -375,6 +397,37 @@ mod tests {
             }
         }
         assert!(barriers >= 4, "{barriers} barriers");
+        // A kernel with storage barriers (the fused tails' count-in) keeps those.
+        let src = crate::gpu::kernel_source("attn_decode").unwrap();
+        let before = compile_words(&src, &[], false).unwrap();
+        let mut after = before.clone();
+        execution_only_barriers(&mut after).unwrap();
+        let constant = |words: &[u32], id: u32| {
+            instructions(words)
+                .into_iter()
+                .find(|i| i.0 == OP_CONSTANT && i.1.len() == 3 && i.1[1] == id)
+                .map(|i| i.1[2])
+        };
+        let (mut kept, mut cleared) = (0, 0);
+        for ((_, x), (_, y)) in instructions(&before)
+            .into_iter()
+            .zip(
+                instructions(&after)
+                    .into_iter()
+                    .filter(|i| i.1 != [u32_type_of(&after), after[3] - 1, 0]),
+            )
+            .filter(|(x, _)| x.0 == OP_CONTROL_BARRIER)
+        {
+            let semantics = constant(&before, x[2]).unwrap();
+            if semantics == WORKGROUP_ACQUIRE_RELEASE {
+                assert_eq!(constant(&after, y[2]), Some(0));
+                cleared += 1;
+            } else {
+                assert_eq!(x, y, "semantics {semantics:#x} kept");
+                kept += 1;
+            }
+        }
+        assert!(kept >= 1 && cleared >= 1, "kept {kept}, cleared {cleared}");
         let mut junk = vec![1u32, 2, 3];
         assert!(execution_only_barriers(&mut junk).is_err());
     }
