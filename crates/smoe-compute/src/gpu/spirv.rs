@@ -128,12 +128,12 @@ pub fn execution_only_barriers(words: &mut Vec<u32>) -> Result<(), String> {
     out[3] = zero + 1;
     out.extend_from_slice(&words[HEADER..at]);
     out.extend_from_slice(&[(4 << 16) | OP_CONSTANT, ty, zero, 0]);
+    let value = |id: u32| values.get(&id).filter(|(t, _)| *t == ty).map(|(_, v)| *v);
     let mut i = at;
     while i < words.len() {
         let (count, op) = ((words[i] >> 16) as usize, words[i] & 0xffff);
         let start = out.len();
         out.extend_from_slice(&words[i..i + count]);
-        let value = |id: u32| values.get(&id).filter(|(t, _)| *t == ty).map(|(_, v)| *v);
         if op == OP_CONTROL_BARRIER
             && value(words[i + 2]) == Some(SCOPE_WORKGROUP)
             && value(words[i + 3]) == Some(WORKGROUP_ACQUIRE_RELEASE)
@@ -304,8 +304,8 @@ mod tests {
         v
     }
 
-    #[test]
-    fn the_coop_gemm_leaves_the_vulkan_memory_model() {
+    /// The experts' gate_up GEMM (q4, 48-token tiles) as the engine compiles it.
+    fn gated_gemm(exec_barriers: bool) -> Vec<u32> {
         let src = crate::gpu::kernel_source("matmul_coop").unwrap();
         let consts = [
             ("DTYPE", 2.0),
@@ -313,7 +313,12 @@ mod tests {
             ("GATED", 1.0),
             ("GROUPED", 1.0),
         ];
-        let words = compile(&src, &consts, false, false).unwrap();
+        compile(&src, &consts, false, exec_barriers).unwrap()
+    }
+
+    #[test]
+    fn the_coop_gemm_leaves_the_vulkan_memory_model() {
+        let words = gated_gemm(false);
         let inst = instructions(&words);
         let model: Vec<_> = inst.iter().filter(|i| i.0 == OP_MEMORY_MODEL).collect();
         assert_eq!(model.len(), 1);
@@ -354,15 +359,7 @@ mod tests {
 
     #[test]
     fn barriers_lose_their_memory_semantics_and_nothing_else() {
-        let src = crate::gpu::kernel_source("matmul_coop").unwrap();
-        let consts = [
-            ("DTYPE", 2.0),
-            ("BN", 48.0),
-            ("GATED", 1.0),
-            ("GROUPED", 1.0),
-        ];
-        let before = compile(&src, &consts, false, false).unwrap();
-        let after = compile(&src, &consts, false, true).unwrap();
+        let (before, after) = (gated_gemm(false), gated_gemm(true));
         assert_eq!(after[3], before[3] + 1, "id bound");
         let zero = before[3];
         let (b, a) = (instructions(&before), instructions(&after));
