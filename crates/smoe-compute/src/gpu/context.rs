@@ -36,18 +36,36 @@ pub struct GpuInfo {
     /// Whether kernels may finish in their dispatch's last workgroup (`Fuse::route`,
     /// `Fuse::sum_into`; see `fused_tails_probe`).
     pub fused_tails: bool,
-    /// The tensor-core GEMM's barriers are execution barriers without memory semantics
-    /// (`spirv::execution_only_barriers`): on NVIDIA's own driver, unless `SMOE_EXEC_BARRIERS=0`
-    /// (`=1` forces them wherever the matrix units are used).
-    pub exec_barriers: bool,
+    /// Which kernels' workgroup barriers are execution barriers without memory semantics
+    /// (`spirv::execution_only_barriers`; see `ExecBarriers`).
+    pub exec_barriers: ExecBarriers,
 }
 
-/// `SMOE_EXEC_BARRIERS`: `Some(false)` for 0, `Some(true)` for 1, else `None` (the default).
-pub(crate) fn exec_barriers_setting() -> Option<bool> {
+/// Which kernels are compiled with execution-only workgroup barriers
+/// (`spirv::execution_only_barriers`). Needs passthrough SPIR-V, which the device is opened with
+/// only where the matrix units are used; by default on NVIDIA's own driver, `AllKernels`.
+/// `SMOE_EXEC_BARRIERS=0` turns it off, `=gemm` limits it to the tensor-core GEMM, `=1` forces
+/// it on every kernel wherever the matrix units are used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExecBarriers {
+    Off,
+    /// Only the tensor-core GEMM (compiled by us anyway).
+    TensorCoreGemm,
+    /// Every kernel: all of them are compiled by us and handed over as passthrough SPIR-V.
+    AllKernels,
+}
+
+/// `SMOE_EXEC_BARRIERS`: 0, `gemm` or 1; `None` when unset (the default) or unrecognised.
+pub(crate) fn exec_barriers_setting() -> Option<ExecBarriers> {
     match std::env::var("SMOE_EXEC_BARRIERS").as_deref() {
-        Ok("0") => Some(false),
-        Ok("1") => Some(true),
-        _ => None,
+        Ok("0") => Some(ExecBarriers::Off),
+        Ok("gemm") => Some(ExecBarriers::TensorCoreGemm),
+        Ok("1") => Some(ExecBarriers::AllKernels),
+        Ok(other) => {
+            tracing::warn!("SMOE_EXEC_BARRIERS={other}: expected 0, gemm or 1; using the default");
+            None
+        }
+        Err(_) => None,
     }
 }
 
@@ -164,10 +182,10 @@ impl fmt::Display for GpuInfo {
             MatrixUnits::Used => write!(
                 f,
                 "matrix units (prefill GEMMs): f16 16x16x16, f32 sums{}",
-                if self.exec_barriers {
-                    ", execution-only barriers"
-                } else {
-                    ""
+                match self.exec_barriers {
+                    ExecBarriers::Off => "",
+                    ExecBarriers::TensorCoreGemm => ", execution-only barriers (GEMM)",
+                    ExecBarriers::AllKernels => ", execution-only barriers (every kernel)",
                 }
             ),
             MatrixUnits::Unused(why) => write!(f, "matrix units (prefill GEMMs): not used ({why})"),
@@ -260,8 +278,12 @@ impl GpuContext {
             .await
             .map_err(|e| GpuError::Device(e.to_string()))?;
         let fused_tails = tails && fused_tails_probe(&ainfo);
-        let exec_barriers = matrix_units == MatrixUnits::Used
-            && exec_barriers_setting().unwrap_or_else(|| nvidia_driver(&ainfo));
+        let exec_barriers = match (&matrix_units, exec_barriers_setting()) {
+            (MatrixUnits::Unused(_), _) => ExecBarriers::Off,
+            (MatrixUnits::Used, Some(set)) => set,
+            (MatrixUnits::Used, None) if nvidia_driver(&ainfo) => ExecBarriers::AllKernels,
+            (MatrixUnits::Used, None) => ExecBarriers::Off,
+        };
         let info = GpuInfo {
             fused_tails,
             exec_barriers,
@@ -326,6 +348,9 @@ impl GpuContext {
         kernel: &'static str,
         constants: &[(&'static str, f64)],
     ) -> Result<wgpu::ComputePipeline, GpuError> {
+        if self.info.exec_barriers == ExecBarriers::AllKernels {
+            return self.pipeline_spirv(kernel, constants);
+        }
         self.cached_pipeline(kernel, constants, || {
             let module = self.module(kernel)?;
             Ok(self
@@ -345,14 +370,14 @@ impl GpuContext {
         })
     }
 
-    /// Like `pipeline`, but compiled to SPIR-V by `spirv::compile` (with its memory-model fix)
-    /// and handed to the driver as is; `bindings` is group 0's layout, binding i of type
-    /// `bindings[i]` (a passthrough module cannot be reflected). Vulkan only.
+    /// Like `pipeline`, but compiled to SPIR-V by `spirv::compile` (with its memory-model fix
+    /// and, as `GpuInfo::exec_barriers` says, execution-only barriers) and handed to the driver
+    /// as is, with group 0's layout made from the bindings `main` uses (a passthrough module
+    /// cannot be reflected by wgpu). Needs `Features::PASSTHROUGH_SHADERS` (Vulkan).
     pub fn pipeline_spirv(
         &self,
         kernel: &'static str,
         constants: &[(&'static str, f64)],
-        bindings: &[wgpu::BufferBindingType],
     ) -> Result<wgpu::ComputePipeline, GpuError> {
         self.cached_pipeline(kernel, constants, || {
             let fail = |msg: String| GpuError::Kernel {
@@ -361,21 +386,25 @@ impl GpuContext {
             };
             let src =
                 kernels::kernel_source(kernel).ok_or_else(|| fail("no such kernel".into()))?;
-            let words = super::spirv::compile(
+            let (words, bindings) = super::spirv::compile(
                 &src,
                 constants,
                 self.info.bounds_checks,
-                self.info.exec_barriers,
+                self.info.exec_barriers != ExecBarriers::Off,
             )
             .map_err(fail)?;
             let entries: Vec<wgpu::BindGroupLayoutEntry> = bindings
                 .iter()
-                .enumerate()
-                .map(|(i, ty)| wgpu::BindGroupLayoutEntry {
-                    binding: i as u32,
+                .map(|b| wgpu::BindGroupLayoutEntry {
+                    binding: b.binding,
                     visibility: wgpu::ShaderStages::COMPUTE,
                     ty: wgpu::BindingType::Buffer {
-                        ty: *ty,
+                        ty: match b.uniform {
+                            true => wgpu::BufferBindingType::Uniform,
+                            false => wgpu::BufferBindingType::Storage {
+                                read_only: b.read_only,
+                            },
+                        },
                         has_dynamic_offset: false,
                         min_binding_size: None,
                     },
@@ -396,7 +425,8 @@ impl GpuContext {
                     immediate_size: 0,
                 });
             // SAFETY: the words are naga's validated translation of our WGSL, changed only in the
-            // declared memory model (spirv.rs); the layout above is the kernel's bindings.
+            // declared memory model and the barriers' semantics (spirv.rs); the layout above is
+            // the bindings its entry point uses.
             let module = unsafe {
                 self.device.create_shader_module_passthrough(
                     wgpu::ShaderModuleDescriptorPassthrough {

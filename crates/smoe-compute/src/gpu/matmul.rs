@@ -347,8 +347,6 @@ impl MatMul {
         let (flag, grouped) = (gated as u8 as f64, d.grouped.is_some() as u8 as f64);
         let pipeline = match tune.coop {
             true => {
-                use wgpu::BufferBindingType::{Storage, Uniform};
-                let read = Storage { read_only: true };
                 let consts = [
                     ("DTYPE", dtype_code(w.dtype)?),
                     ("BN", tune.bn as f64),
@@ -356,20 +354,7 @@ impl MatMul {
                     ("GATED", flag),
                     ("GROUPED", grouped),
                 ];
-                ctx.pipeline_spirv(
-                    "matmul_coop",
-                    &consts,
-                    // params, w, x, y, starts, perm, units
-                    &[
-                        Uniform,
-                        read,
-                        read,
-                        Storage { read_only: false },
-                        read,
-                        read,
-                        read,
-                    ],
-                )?
+                ctx.pipeline_spirv("matmul_coop", &consts)?
             }
             false => ctx.pipeline(
                 "matmul",

@@ -34,7 +34,7 @@ pub use attention::{AttnDesc, DecodeAttention, FusedRope, QkNormRope, QkNormRope
 pub use attn_prefill::{PrefillAttention, PrefillAttnTuning, PREFILL_MAX_HEAD_DIM};
 pub use buffers::{BufRef, StepParams};
 pub use clocks::ClockHold;
-pub use context::{GpuContext, GpuError, GpuInfo, MatrixUnits};
+pub use context::{ExecBarriers, GpuContext, GpuError, GpuInfo, MatrixUnits};
 pub use embed::EmbedGather;
 pub use expert_sort::{ExpertSort, SORT_MAX_EXPERTS, SORT_MAX_SLOTS};
 pub use kernels::{kernel_names, kernel_source};

@@ -1,5 +1,6 @@
-//! The tensor-core GEMM (`kernels/matmul_coop.wgsl`) compiled to SPIR-V here, not by wgpu, and
-//! handed to the Vulkan driver as a passthrough shader.
+//! Kernels compiled to SPIR-V here, not by wgpu, and handed to the Vulkan driver as passthrough
+//! shaders: the tensor-core GEMM (`kernels/matmul_coop.wgsl`) always, and on NVIDIA's own driver
+//! every kernel, with execution-only barriers (`ExecBarriers`, `execution_only_barriers`).
 //!
 //! Why: naga 30 declares the Vulkan memory model for any shader with cooperative matrices but
 //! still emits GLSL450-model code: workgroup loads and stores without `NonPrivatePointer` and
@@ -20,62 +21,58 @@ pub struct KernelBinding {
     pub read_only: bool,
 }
 
-/// Kernel `name` (with `SMOE_KERNEL_DIR`'s edits) as the SPIR-V its pipeline runs — bounds checks
-/// off, as release builds hand it to the driver; the memory model switched back where naga
-/// declared the Vulkan one — and its group-0 bindings. For tools that build the pipeline outside
-/// wgpu (`examples/pipeline_stats.rs` asks the driver for its register counts).
+/// Kernel `name` (with `SMOE_KERNEL_DIR`'s edits) as the SPIR-V its pipeline runs on NVIDIA's
+/// driver — bounds checks off, as release builds hand it over; the memory model switched back
+/// where naga declared the Vulkan one; barriers as `SMOE_EXEC_BARRIERS` leaves them (see
+/// `ExecBarriers`) — and its group-0 bindings. For tools that build the pipeline outside wgpu
+/// (`examples/pipeline_stats.rs` asks the driver for its register counts).
 pub fn kernel_spirv(
     name: &str,
     constants: &[(&str, f64)],
 ) -> Result<(Vec<u32>, Vec<KernelBinding>), String> {
+    use super::context::{exec_barriers_setting, ExecBarriers};
     let src = super::kernel_source(name).ok_or_else(|| format!("no kernel named {name}"))?;
     let module = naga::front::wgsl::parse_str(&src).map_err(|e| e.emit_to_string(&src))?;
-    let mut bindings: Vec<KernelBinding> = module
-        .global_variables
+    let coop = module
+        .types
         .iter()
-        .filter_map(|(_, g)| {
-            let b = g.binding.as_ref().filter(|b| b.group == 0)?;
-            let (uniform, read_only) = match g.space {
-                naga::AddressSpace::Uniform => (true, true),
-                naga::AddressSpace::Storage { access } => {
-                    (false, !access.contains(naga::StorageAccess::STORE))
-                }
-                _ => return None,
-            };
-            Some(KernelBinding {
-                binding: b.binding,
-                uniform,
-                read_only,
-            })
-        })
-        .collect();
-    bindings.sort_by_key(|b| b.binding);
-    let mut words = compile_module(&module, constants, false)?;
-    // The kernels the engine compiles itself (naga declares the Vulkan model for cooperative
-    // matrices) as it compiles them for NVIDIA's driver, where this tool runs.
-    if declares_vulkan_model(&words) {
-        use_glsl450_memory_model(&mut words)?;
-        if super::context::exec_barriers_setting() != Some(false) {
-            execution_only_barriers(&mut words)?;
-        }
-    }
-    Ok((words, bindings))
+        .any(|(_, t)| matches!(t.inner, naga::TypeInner::CooperativeMatrix { .. }));
+    let exec = match exec_barriers_setting().unwrap_or(ExecBarriers::AllKernels) {
+        ExecBarriers::Off => false,
+        ExecBarriers::TensorCoreGemm => coop,
+        ExecBarriers::AllKernels => true,
+    };
+    compile_parsed(&module, constants, false, exec)
 }
 
-/// SPIR-V of `src`'s `main` with its `override`s set to `constants`; `exec_barriers`: its
-/// barriers without memory semantics (`execution_only_barriers`).
+/// SPIR-V of `src`'s `main` with its `override`s set to `constants`, under the GLSL450 memory
+/// model (`use_glsl450_memory_model` where naga declared the Vulkan one), and the group-0
+/// bindings `main` uses; `exec_barriers`: its workgroup barriers without memory semantics
+/// (`execution_only_barriers`).
 pub fn compile(
     src: &str,
     constants: &[(&str, f64)],
     bounds_checks: bool,
     exec_barriers: bool,
-) -> Result<Vec<u32>, String> {
-    let mut words = compile_words(src, constants, bounds_checks)?;
-    use_glsl450_memory_model(&mut words)?;
+) -> Result<(Vec<u32>, Vec<KernelBinding>), String> {
+    let module = naga::front::wgsl::parse_str(src).map_err(|e| e.emit_to_string(src))?;
+    compile_parsed(&module, constants, bounds_checks, exec_barriers)
+}
+
+fn compile_parsed(
+    module: &naga::Module,
+    constants: &[(&str, f64)],
+    bounds_checks: bool,
+    exec_barriers: bool,
+) -> Result<(Vec<u32>, Vec<KernelBinding>), String> {
+    let (mut words, bindings) = compile_module(module, constants, bounds_checks)?;
+    if declares_vulkan_model(&words) {
+        use_glsl450_memory_model(&mut words)?;
+    }
     if exec_barriers {
         execution_only_barriers(&mut words)?;
     }
-    Ok(words)
+    Ok((words, bindings))
 }
 
 /// Rewrites every `OpControlBarrier` of naga's `workgroupBarrier()` (memory scope Workgroup,
@@ -147,27 +144,56 @@ pub fn execution_only_barriers(words: &mut Vec<u32>) -> Result<(), String> {
 }
 
 /// naga's SPIR-V of `src`'s `main`, as it declares it.
+#[cfg(test)]
 fn compile_words(
     src: &str,
     constants: &[(&str, f64)],
     bounds_checks: bool,
 ) -> Result<Vec<u32>, String> {
     let module = naga::front::wgsl::parse_str(src).map_err(|e| e.emit_to_string(src))?;
-    compile_module(&module, constants, bounds_checks)
+    Ok(compile_module(&module, constants, bounds_checks)?.0)
 }
 
-/// naga's SPIR-V of a parsed module's `main`, as it declares it.
+/// naga's SPIR-V of a parsed module's `main`, as it declares it, and the group-0 bindings `main`
+/// uses (what wgpu's automatic layout would hold), in binding order.
 fn compile_module(
     module: &naga::Module,
     constants: &[(&str, f64)],
     bounds_checks: bool,
-) -> Result<Vec<u32>, String> {
+) -> Result<(Vec<u32>, Vec<KernelBinding>), String> {
     use naga::valid::{Capabilities, ShaderStages, SubgroupOperationSet, ValidationFlags};
     let mut validator = naga::valid::Validator::new(ValidationFlags::all(), Capabilities::all());
     validator
         .subgroup_stages(ShaderStages::COMPUTE)
         .subgroup_operations(SubgroupOperationSet::all());
     let info = validator.validate(module).map_err(|e| format!("{e:?}"))?;
+    let main = module
+        .entry_points
+        .iter()
+        .position(|e| e.name == "main")
+        .ok_or("no entry point named main")?;
+    let uses = info.get_entry_point(main);
+    let mut bindings: Vec<KernelBinding> = module
+        .global_variables
+        .iter()
+        .filter(|(h, _)| !uses[*h].is_empty())
+        .filter_map(|(_, g)| {
+            let b = g.binding.as_ref().filter(|b| b.group == 0)?;
+            let (uniform, read_only) = match g.space {
+                naga::AddressSpace::Uniform => (true, true),
+                naga::AddressSpace::Storage { access } => {
+                    (false, !access.contains(naga::StorageAccess::STORE))
+                }
+                _ => return None,
+            };
+            Some(KernelBinding {
+                binding: b.binding,
+                uniform,
+                read_only,
+            })
+        })
+        .collect();
+    bindings.sort_by_key(|b| b.binding);
     let mut consts = naga::back::PipelineConstants::default();
     consts.extend(constants.iter().map(|(k, v)| (k.to_string(), *v)));
     let (module, info) =
@@ -198,8 +224,9 @@ fn compile_module(
         shader_stage: naga::ShaderStage::Compute,
         entry_point: "main".into(),
     };
-    naga::back::spv::write_vec(&module, &info, &options, Some(&pipeline))
-        .map_err(|e| format!("SPIR-V: {e:?}"))
+    let words = naga::back::spv::write_vec(&module, &info, &options, Some(&pipeline))
+        .map_err(|e| format!("SPIR-V: {e:?}"))?;
+    Ok((words, bindings))
 }
 
 /// Whether the module's `OpMemoryModel` is the Vulkan one.
@@ -313,7 +340,7 @@ mod tests {
             ("GATED", 1.0),
             ("GROUPED", 1.0),
         ];
-        compile(&src, &consts, false, exec_barriers).unwrap()
+        compile(&src, &consts, false, exec_barriers).unwrap().0
     }
 
     #[test]
