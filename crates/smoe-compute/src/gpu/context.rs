@@ -4,7 +4,7 @@
 use super::kernels;
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 #[derive(Debug, thiserror::Error)]
 pub enum GpuError {
@@ -53,6 +53,18 @@ pub enum ExecBarriers {
     TensorCoreGemm,
     /// Every kernel: all of them are compiled by us and handed over as passthrough SPIR-V.
     AllKernels,
+}
+
+impl ExecBarriers {
+    /// Whether a kernel's barriers lose their memory semantics (`cooperative`: the tensor-core
+    /// GEMM).
+    pub fn covers(self, cooperative: bool) -> bool {
+        match self {
+            ExecBarriers::Off => false,
+            ExecBarriers::TensorCoreGemm => cooperative,
+            ExecBarriers::AllKernels => true,
+        }
+    }
 }
 
 /// `SMOE_EXEC_BARRIERS`: 0, `gemm` or 1; `None` when unset (the default) or unrecognised.
@@ -200,6 +212,8 @@ pub struct GpuContext {
     pub queue: wgpu::Queue,
     info: GpuInfo,
     modules: Mutex<HashMap<&'static str, wgpu::ShaderModule>>,
+    /// Kernels parsed for `pipeline_spirv`, once each (as `modules` for wgpu's path).
+    parsed: Mutex<HashMap<&'static str, Arc<super::spirv::Parsed>>>,
     pipelines: Mutex<HashMap<PipelineKey, wgpu::ComputePipeline>>,
     /// Why the matrix units were turned off after opening (a kernel that failed to build).
     matrix_units_off: Mutex<Option<String>>,
@@ -298,6 +312,7 @@ impl GpuContext {
             queue,
             info,
             modules: Mutex::default(),
+            parsed: Mutex::default(),
             pipelines: Mutex::default(),
             matrix_units_off: Mutex::default(),
         })
@@ -370,7 +385,7 @@ impl GpuContext {
         })
     }
 
-    /// Like `pipeline`, but compiled to SPIR-V by `spirv::compile` (with its memory-model fix
+    /// Like `pipeline`, but compiled to SPIR-V by `spirv::Parsed::compile` (with its memory-model fix
     /// and, as `GpuInfo::exec_barriers` says, execution-only barriers) and handed to the driver
     /// as is, with group 0's layout made from the bindings `main` uses (a passthrough module
     /// cannot be reflected by wgpu). Needs `Features::PASSTHROUGH_SHADERS` (Vulkan).
@@ -384,16 +399,16 @@ impl GpuContext {
                 kernel: kernel.into(),
                 msg,
             };
-            let src =
-                kernels::kernel_source(kernel).ok_or_else(|| fail("no such kernel".into()))?;
-            let (words, bindings) = super::spirv::compile(
-                &src,
-                constants,
-                self.info.bounds_checks,
-                self.info.exec_barriers != ExecBarriers::Off,
-            )
-            .map_err(fail)?;
-            let entries: Vec<wgpu::BindGroupLayoutEntry> = bindings
+            let parsed = self.parsed(kernel).map_err(fail)?;
+            let words = parsed
+                .compile(
+                    constants,
+                    self.info.bounds_checks,
+                    self.info.exec_barriers.covers(parsed.cooperative),
+                )
+                .map_err(fail)?;
+            let entries: Vec<wgpu::BindGroupLayoutEntry> = parsed
+                .bindings
                 .iter()
                 .map(|b| wgpu::BindGroupLayoutEntry {
                     binding: b.binding,
@@ -486,6 +501,17 @@ impl GpuContext {
         }
         self.pipelines.lock().unwrap().insert(key, pipeline.clone());
         Ok(pipeline)
+    }
+
+    /// `kernel` parsed and validated for `pipeline_spirv`, on first use.
+    fn parsed(&self, kernel: &'static str) -> Result<Arc<super::spirv::Parsed>, String> {
+        if let Some(p) = self.parsed.lock().unwrap().get(kernel) {
+            return Ok(p.clone());
+        }
+        let src = kernels::kernel_source(kernel).ok_or("no such kernel")?;
+        let parsed = Arc::new(super::spirv::Parsed::new(&src)?);
+        self.parsed.lock().unwrap().insert(kernel, parsed.clone());
+        Ok(parsed)
     }
 
     fn module(&self, kernel: &'static str) -> Result<wgpu::ShaderModule, GpuError> {

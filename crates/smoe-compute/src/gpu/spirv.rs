@@ -21,6 +21,131 @@ pub struct KernelBinding {
     pub read_only: bool,
 }
 
+/// A kernel's WGSL parsed and validated once, with the group-0 bindings its `main` uses (what
+/// wgpu's automatic layout would hold), in binding order: each pipeline of it (one per set of
+/// `override`s) then only specialises and emits (`compile`), as wgpu's own shader module does.
+pub struct Parsed {
+    module: naga::Module,
+    info: naga::valid::ModuleInfo,
+    pub bindings: Vec<KernelBinding>,
+    /// Whether it uses cooperative matrices (the tensor-core GEMM).
+    pub cooperative: bool,
+}
+
+impl Parsed {
+    pub fn new(src: &str) -> Result<Self, String> {
+        use naga::valid::{Capabilities, ShaderStages, SubgroupOperationSet, ValidationFlags};
+        let module = naga::front::wgsl::parse_str(src).map_err(|e| e.emit_to_string(src))?;
+        let mut validator =
+            naga::valid::Validator::new(ValidationFlags::all(), Capabilities::all());
+        validator
+            .subgroup_stages(ShaderStages::COMPUTE)
+            .subgroup_operations(SubgroupOperationSet::all());
+        let info = validator.validate(&module).map_err(|e| format!("{e:?}"))?;
+        let main = module
+            .entry_points
+            .iter()
+            .position(|e| e.name == "main")
+            .ok_or("no entry point named main")?;
+        let uses = info.get_entry_point(main);
+        let mut bindings: Vec<KernelBinding> = module
+            .global_variables
+            .iter()
+            .filter(|(h, _)| !uses[*h].is_empty())
+            .filter_map(|(_, g)| {
+                let b = g.binding.as_ref().filter(|b| b.group == 0)?;
+                let (uniform, read_only) = match g.space {
+                    naga::AddressSpace::Uniform => (true, true),
+                    naga::AddressSpace::Storage { access } => {
+                        (false, !access.contains(naga::StorageAccess::STORE))
+                    }
+                    _ => return None,
+                };
+                Some(KernelBinding {
+                    binding: b.binding,
+                    uniform,
+                    read_only,
+                })
+            })
+            .collect();
+        bindings.sort_by_key(|b| b.binding);
+        let cooperative = module
+            .types
+            .iter()
+            .any(|(_, t)| matches!(t.inner, naga::TypeInner::CooperativeMatrix { .. }));
+        Ok(Parsed {
+            module,
+            info,
+            bindings,
+            cooperative,
+        })
+    }
+
+    /// SPIR-V of `main` with its `override`s set to `constants`, under the GLSL450 memory model
+    /// (`use_glsl450_memory_model` where naga declared the Vulkan one); `exec_barriers`: its
+    /// workgroup barriers without memory semantics (`execution_only_barriers`).
+    pub fn compile(
+        &self,
+        constants: &[(&str, f64)],
+        bounds_checks: bool,
+        exec_barriers: bool,
+    ) -> Result<Vec<u32>, String> {
+        let mut words = self.naga_words(constants, bounds_checks)?;
+        if declares_vulkan_model(&words) {
+            use_glsl450_memory_model(&mut words)?;
+        }
+        if exec_barriers {
+            execution_only_barriers(&mut words)?;
+        }
+        Ok(words)
+    }
+
+    /// naga's SPIR-V of `main`, as it declares it.
+    fn naga_words(
+        &self,
+        constants: &[(&str, f64)],
+        bounds_checks: bool,
+    ) -> Result<Vec<u32>, String> {
+        let mut consts = naga::back::PipelineConstants::default();
+        consts.extend(constants.iter().map(|(k, v)| (k.to_string(), *v)));
+        let (module, info) = naga::back::pipeline_constants::process_overrides(
+            &self.module,
+            &self.info,
+            None,
+            &consts,
+        )
+        .map_err(|e| format!("overrides: {e:?}"))?;
+        let check = match bounds_checks {
+            true => naga::proc::BoundsCheckPolicy::Restrict,
+            false => naga::proc::BoundsCheckPolicy::Unchecked,
+        };
+        let options = naga::back::spv::Options {
+            // Vulkan 1.2's SPIR-V; cooperative matrices need Vulkan 1.3 drivers anyway.
+            lang_version: (1, 5),
+            flags: naga::back::spv::WriterFlags::empty(),
+            bounds_check_policies: naga::proc::BoundsCheckPolicies {
+                index: check,
+                buffer: check,
+                image_load: check,
+                binding_array: naga::proc::BoundsCheckPolicy::Unchecked,
+            },
+            // As wgpu does for modules without runtime checks: a counter in every loop keeps the
+            // driver from unrolling them (the GEMM's K-steps ran 2.5x slower with it).
+            force_loop_bounding: bounds_checks,
+            // Every kernel writes its workgroup memory before reading it.
+            zero_initialize_workgroup_memory:
+                naga::back::spv::ZeroInitializeWorkgroupMemoryMode::None,
+            ..Default::default()
+        };
+        let pipeline = naga::back::spv::PipelineOptions {
+            shader_stage: naga::ShaderStage::Compute,
+            entry_point: "main".into(),
+        };
+        naga::back::spv::write_vec(&module, &info, &options, Some(&pipeline))
+            .map_err(|e| format!("SPIR-V: {e:?}"))
+    }
+}
+
 /// Kernel `name` (with `SMOE_KERNEL_DIR`'s edits) as the SPIR-V its pipeline runs on NVIDIA's
 /// driver — bounds checks off, as release builds hand it over; the memory model switched back
 /// where naga declared the Vulkan one; barriers as `SMOE_EXEC_BARRIERS` leaves them (see
@@ -32,47 +157,11 @@ pub fn kernel_spirv(
 ) -> Result<(Vec<u32>, Vec<KernelBinding>), String> {
     use super::context::{exec_barriers_setting, ExecBarriers};
     let src = super::kernel_source(name).ok_or_else(|| format!("no kernel named {name}"))?;
-    let module = naga::front::wgsl::parse_str(&src).map_err(|e| e.emit_to_string(&src))?;
-    let coop = module
-        .types
-        .iter()
-        .any(|(_, t)| matches!(t.inner, naga::TypeInner::CooperativeMatrix { .. }));
-    let exec = match exec_barriers_setting().unwrap_or(ExecBarriers::AllKernels) {
-        ExecBarriers::Off => false,
-        ExecBarriers::TensorCoreGemm => coop,
-        ExecBarriers::AllKernels => true,
-    };
-    compile_parsed(&module, constants, false, exec)
-}
-
-/// SPIR-V of `src`'s `main` with its `override`s set to `constants`, under the GLSL450 memory
-/// model (`use_glsl450_memory_model` where naga declared the Vulkan one), and the group-0
-/// bindings `main` uses; `exec_barriers`: its workgroup barriers without memory semantics
-/// (`execution_only_barriers`).
-pub fn compile(
-    src: &str,
-    constants: &[(&str, f64)],
-    bounds_checks: bool,
-    exec_barriers: bool,
-) -> Result<(Vec<u32>, Vec<KernelBinding>), String> {
-    let module = naga::front::wgsl::parse_str(src).map_err(|e| e.emit_to_string(src))?;
-    compile_parsed(&module, constants, bounds_checks, exec_barriers)
-}
-
-fn compile_parsed(
-    module: &naga::Module,
-    constants: &[(&str, f64)],
-    bounds_checks: bool,
-    exec_barriers: bool,
-) -> Result<(Vec<u32>, Vec<KernelBinding>), String> {
-    let (mut words, bindings) = compile_module(module, constants, bounds_checks)?;
-    if declares_vulkan_model(&words) {
-        use_glsl450_memory_model(&mut words)?;
-    }
-    if exec_barriers {
-        execution_only_barriers(&mut words)?;
-    }
-    Ok((words, bindings))
+    let parsed = Parsed::new(&src)?;
+    let exec = exec_barriers_setting()
+        .unwrap_or(ExecBarriers::AllKernels)
+        .covers(parsed.cooperative);
+    Ok((parsed.compile(constants, false, exec)?, parsed.bindings))
 }
 
 /// Rewrites every `OpControlBarrier` of naga's `workgroupBarrier()` (memory scope Workgroup,
@@ -141,92 +230,6 @@ pub fn execution_only_barriers(words: &mut Vec<u32>) -> Result<(), String> {
     }
     *words = out;
     Ok(())
-}
-
-/// naga's SPIR-V of `src`'s `main`, as it declares it.
-#[cfg(test)]
-fn compile_words(
-    src: &str,
-    constants: &[(&str, f64)],
-    bounds_checks: bool,
-) -> Result<Vec<u32>, String> {
-    let module = naga::front::wgsl::parse_str(src).map_err(|e| e.emit_to_string(src))?;
-    Ok(compile_module(&module, constants, bounds_checks)?.0)
-}
-
-/// naga's SPIR-V of a parsed module's `main`, as it declares it, and the group-0 bindings `main`
-/// uses (what wgpu's automatic layout would hold), in binding order.
-fn compile_module(
-    module: &naga::Module,
-    constants: &[(&str, f64)],
-    bounds_checks: bool,
-) -> Result<(Vec<u32>, Vec<KernelBinding>), String> {
-    use naga::valid::{Capabilities, ShaderStages, SubgroupOperationSet, ValidationFlags};
-    let mut validator = naga::valid::Validator::new(ValidationFlags::all(), Capabilities::all());
-    validator
-        .subgroup_stages(ShaderStages::COMPUTE)
-        .subgroup_operations(SubgroupOperationSet::all());
-    let info = validator.validate(module).map_err(|e| format!("{e:?}"))?;
-    let main = module
-        .entry_points
-        .iter()
-        .position(|e| e.name == "main")
-        .ok_or("no entry point named main")?;
-    let uses = info.get_entry_point(main);
-    let mut bindings: Vec<KernelBinding> = module
-        .global_variables
-        .iter()
-        .filter(|(h, _)| !uses[*h].is_empty())
-        .filter_map(|(_, g)| {
-            let b = g.binding.as_ref().filter(|b| b.group == 0)?;
-            let (uniform, read_only) = match g.space {
-                naga::AddressSpace::Uniform => (true, true),
-                naga::AddressSpace::Storage { access } => {
-                    (false, !access.contains(naga::StorageAccess::STORE))
-                }
-                _ => return None,
-            };
-            Some(KernelBinding {
-                binding: b.binding,
-                uniform,
-                read_only,
-            })
-        })
-        .collect();
-    bindings.sort_by_key(|b| b.binding);
-    let mut consts = naga::back::PipelineConstants::default();
-    consts.extend(constants.iter().map(|(k, v)| (k.to_string(), *v)));
-    let (module, info) =
-        naga::back::pipeline_constants::process_overrides(module, &info, None, &consts)
-            .map_err(|e| format!("overrides: {e:?}"))?;
-    let check = match bounds_checks {
-        true => naga::proc::BoundsCheckPolicy::Restrict,
-        false => naga::proc::BoundsCheckPolicy::Unchecked,
-    };
-    let options = naga::back::spv::Options {
-        // Vulkan 1.2's SPIR-V; cooperative matrices need Vulkan 1.3 drivers anyway.
-        lang_version: (1, 5),
-        flags: naga::back::spv::WriterFlags::empty(),
-        bounds_check_policies: naga::proc::BoundsCheckPolicies {
-            index: check,
-            buffer: check,
-            image_load: check,
-            binding_array: naga::proc::BoundsCheckPolicy::Unchecked,
-        },
-        // As wgpu does for modules without runtime checks: a counter in every loop keeps the
-        // driver from unrolling them (the GEMM's K-steps ran 2.5x slower with it).
-        force_loop_bounding: bounds_checks,
-        // Every kernel writes its workgroup memory before reading it.
-        zero_initialize_workgroup_memory: naga::back::spv::ZeroInitializeWorkgroupMemoryMode::None,
-        ..Default::default()
-    };
-    let pipeline = naga::back::spv::PipelineOptions {
-        shader_stage: naga::ShaderStage::Compute,
-        entry_point: "main".into(),
-    };
-    let words = naga::back::spv::write_vec(&module, &info, &options, Some(&pipeline))
-        .map_err(|e| format!("SPIR-V: {e:?}"))?;
-    Ok((words, bindings))
 }
 
 /// Whether the module's `OpMemoryModel` is the Vulkan one.
@@ -340,7 +343,10 @@ mod tests {
             ("GATED", 1.0),
             ("GROUPED", 1.0),
         ];
-        compile(&src, &consts, false, exec_barriers).unwrap().0
+        Parsed::new(&src)
+            .unwrap()
+            .compile(&consts, false, exec_barriers)
+            .unwrap()
     }
 
     #[test]
@@ -423,7 +429,7 @@ mod tests {
         assert!(barriers >= 4, "{barriers} barriers");
         // A kernel with storage barriers (the fused tails' count-in) keeps those.
         let src = crate::gpu::kernel_source("attn_decode").unwrap();
-        let before = compile_words(&src, &[], false).unwrap();
+        let before = Parsed::new(&src).unwrap().naga_words(&[], false).unwrap();
         let mut after = before.clone();
         execution_only_barriers(&mut after).unwrap();
         let constant = |words: &[u32], id: u32| {
@@ -463,6 +469,7 @@ mod tests {
     #[test]
     fn every_coop_gemm_variant_compiles() {
         let src = crate::gpu::kernel_source("matmul_coop").unwrap();
+        let parsed = Parsed::new(&src).unwrap();
         let mut failures = vec![];
         for dtype in 0..4 {
             for (gated, grouped) in [(0.0, 0.0), (1.0, 0.0), (0.0, 1.0), (1.0, 1.0)] {
@@ -475,7 +482,7 @@ mod tests {
                         ("GROUPED", grouped),
                     ];
                     for checks in [false, true] {
-                        if let Err(e) = compile(&src, &consts, checks, checks) {
+                        if let Err(e) = parsed.compile(&consts, checks, checks) {
                             failures.push(format!("{consts:?} checks {checks}: {e}"));
                         }
                     }
