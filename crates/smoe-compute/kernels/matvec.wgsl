@@ -30,6 +30,15 @@
 // router kernel's work. TAIL 2 (experts' down, grouped, one output row block per dispatch x):
 // tacc[t, r] += Σ_s rw[t·k + s] · y[t·k + s, r] over the k = tail_k slots of each token for the
 // block's rows — the weighted sum of a token's experts into the residual (weighted_sum.wgsl).
+// TAIL 3 (one token, ACCUM: the attention's output projection, whose y is the residual stream):
+// the next MoE block's router, which would otherwise be its own dispatch after this one. Its
+// logits are (W_r · (g ⊙ y)) · inv_rms(y): a sum over y's rows, and each workgroup owns ROWS of
+// them, so each writes partial logits of every expert over its rows, and the partial sum of
+// squares, to `rp`; the last of each RG workgroups sums their partials into a second level, the
+// last of those sums that, scales by inv_rms, runs the softmax top-k into tids / tacc and writes
+// the normed row g ⊙ y · inv_rms to hn (the experts' input). Two levels keep each summing
+// workgroup's loads few and independent (RG per invocation, all in flight at once) where one
+// last workgroup reading every partial would wait on hundreds in turn.
 //
 // Staged layout: the VPC vec4s of x that chunk k needs are stored "chunk-minor", vec4 i of chunk
 // k of token t at (t·VPC + i)·NCH + k, so the lanes of a subgroup, which work on consecutive
@@ -64,8 +73,8 @@ struct Params {
     tail_norm: u32,    // TAIL 1: renormalize the k probabilities
     tail_a: u32,       // TAIL 1: index of token 0's first id in tids; TAIL 2: f32 index of tacc
     tail_b: u32,       // TAIL 1: index of token 0's first weight in tacc
-    _pad0: u32,
-    _pad1: u32,
+    r_off: u32,        // TAIL 3: u32 index of the router's row 0 (bf16 pairs)
+    r_stride: u32,     // TAIL 3: u32s per router row
 }
 
 override DTYPE: u32 = 2u; // 0 bf16, 1 q8, 2 q4, 3 q2; q4 variants: 4 float bits, 5 int8 dot, 6 pairs (see chunk)
@@ -81,9 +90,10 @@ override REDUCE: bool = false;
 // With NORM: also write the normed inputs to hn, each workgroup (dispatch x) its share of the
 // columns, so that later products of the same input read them instead of renormalizing.
 override NORM_OUT: bool = false;
-// 0: none; 1: router top-k; 2: weighted sum of the slots into tacc (see the header).
+// 0: none; 1: router top-k; 2: weighted sum of the slots into tacc; 3: the next router (see
+// the header).
 override TAIL: u32 = 0u;
-// TAIL 1: the experts (rows) and k the tail's arrays hold.
+// TAIL 1 and 3: the experts and k the tail's arrays hold.
 override TAIL_E: u32 = 1u;
 override TAIL_K: u32 = 1u;
 // vec4s of x per 16-byte chunk of codes: 8, 16, 32 or 64 inputs.
@@ -118,6 +128,11 @@ const NONE: u32 = 0xffffffffu;
 @group(0) @binding(9) var<storage, read_write> tids: array<u32>;
 @group(0) @binding(10) var<storage, read_write> tacc: array<f32>;
 @group(0) @binding(11) var<storage, read_write> ya: array<atomic<u32>>;
+// TAIL 3: the router's bf16 weights, and the partial sums (see the header).
+@group(0) @binding(12) var<storage, read> wr: array<u32>;
+@group(0) @binding(13) var<storage, read_write> rp: array<atomic<u32>>;
+// TAIL 3: workgroups per first-level sum.
+const RG: u32 = 16u;
 
 var<workgroup> xs: array<vec4<f32>, XS_LEN>;
 // q4 variants: per (token, half, chunk), DTYPE 4: Σx of the chunk's 16 low- or high-nibble
@@ -142,7 +157,9 @@ var<workgroup> tk_lg: array<f32, TAIL_E>;
 var<workgroup> tk_id: array<u32, TAIL_K>;
 var<workgroup> tk_w: array<f32, TAIL_K>;
 var<workgroup> tk_red: array<f32, TK_RED_LEN>;
-override TK_RED_LEN: u32 = select(1u, 128u, TAIL == 1u);
+override TK_RED_LEN: u32 = select(1u, 128u, TAIL == 1u || TAIL == 3u);
+// TAIL 3: the token's sum of squares.
+var<workgroup> rt_ss: f32;
 var<workgroup> last: u32;
 
 // Where vec4 i of chunk k sits in the tile's natural order (vec4 units).
@@ -502,13 +519,13 @@ fn items(i0: u32, row0: u32, wbase: u32, cfirst: u32, nchunks: u32, lane: u32, s
     }
 }
 
-// Counts this workgroup in on counter c, which tail_n workgroups share; true (uniformly) in the
+// Counts this workgroup in on counter c, which n workgroups share; true (uniformly) in the
 // last of them, which then sees all of their storage writes.
-fn arrive(li: u32, c: u32) -> bool {
+fn arrive_n(li: u32, c: u32, n: u32) -> bool {
     // Publish this workgroup's writes device-wide before counting in.
     storageBarrier();
     if li == 0u {
-        let is_last = atomicAdd(&done[c], 1u) + 1u == p.tail_n;
+        let is_last = atomicAdd(&done[c], 1u) + 1u == n;
         if is_last {
             // Ready for the next dispatch (dispatches of one kernel never overlap).
             atomicStore(&done[c], 0u);
@@ -518,6 +535,97 @@ fn arrive(li: u32, c: u32) -> bool {
     let l = workgroupUniformLoad(&last) != 0u;
     storageBarrier();
     return l;
+}
+
+fn arrive(li: u32, c: u32) -> bool {
+    return arrive_n(li, c, p.tail_n);
+}
+
+fn rp_at(i: u32) -> f32 {
+    return bitcast<f32>(atomicLoad(&rp[i]));
+}
+
+// TAIL 3, in every workgroup after its rows of y are written (their values in part[2r]): its
+// partial logits of every expert and partial sum of squares, to rp[wid · (E + 1) ..].
+fn route_part(li: u32, wx: u32, row0: u32) {
+    let pw = TAIL_E + 1u;
+    for (var e = li; e < pw; e += WG) {
+        var s = 0.0;
+        // Rows in pairs: a u32 holds two bf16 weights (ROWS and row0 are even, rows a multiple
+        // of 8).
+        for (var r = 0u; r < ROWS; r += 2u) {
+            let row = row0 + r;
+            if row < p.rows {
+                let v = vec2<f32>(part[2u * r], part[2u * r + 2u]);
+                if e < TAIL_E {
+                    let wd = wr[p.r_off + e * p.r_stride + row / 2u];
+                    let wv = bitcast<vec2<f32>>(vec2<u32>(wd << 16u, wd & 0xffff0000u));
+                    let g = nw[p.nw_off + row / 4u];
+                    let gv = select(g.xy, g.zw, (row & 2u) != 0u);
+                    s += dot(wv * gv, v);
+                } else {
+                    s += dot(v, v);
+                }
+            }
+        }
+        atomicStore(&rp[wx * pw + e], bitcast<u32>(s));
+    }
+}
+
+// Sums `cnt` (≤ RG) partial rows of pw values from rp[base ..] for value e. The loads are
+// unconditional (a clamped index, the value masked), so all RG of them are in flight at once.
+fn rp_sum(base: u32, pw: u32, e: u32, cnt: u32) -> f32 {
+    var s = 0.0;
+    for (var g = 0u; g < RG; g++) {
+        let v = rp_at(base + min(g, cnt - 1u) * pw + e);
+        s += select(0.0, v, g < cnt);
+    }
+    return s;
+}
+
+// TAIL 3 after route_part: the two levels of sums, the top-k and the normed row (see the header).
+fn tail_next_route(li: u32, sg: u32, nsg: u32, lane: u32, wx: u32) {
+    let pw = TAIL_E + 1u;
+    let groups = p.tail_n;
+    let c = wx / RG;
+    let cnt = min(RG, groups - c * RG);
+    if !arrive_n(li, c, cnt) {
+        return;
+    }
+    let n1 = (groups + RG - 1u) / RG;
+    let top = groups * pw;
+    for (var e = li; e < pw; e += WG) {
+        atomicStore(&rp[top + c * pw + e], bitcast<u32>(rp_sum(c * RG * pw, pw, e, cnt)));
+    }
+    if !arrive_n(li, n1, n1) {
+        return;
+    }
+    for (var e = li; e < pw; e += WG) {
+        var s = 0.0;
+        for (var c0 = 0u; c0 < n1; c0 += RG) {
+            s += rp_sum(top + c0 * pw, pw, e, min(RG, n1 - c0));
+        }
+        if e < TAIL_E {
+            tk_lg[e] = s;
+        } else {
+            rt_ss = s;
+        }
+    }
+    workgroupBarrier();
+    let inv = inverseSqrt(rt_ss / f32(p.rows) + p.eps);
+    for (var e = li; e < TAIL_E; e += WG) {
+        tk_lg[e] = tk_clean(tk_lg[e] * inv);
+    }
+    softmax_topk(li, WG, sg, nsg, lane, TAIL_E, p.tail_k, p.tail_norm != 0u);
+    for (var r = li; r < p.tail_k; r += WG) {
+        tids[p.tail_a + r] = tk_id[r];
+        tacc[p.tail_b + r] = tk_w[r];
+    }
+    for (var i = li; i < p.rows / 4u; i += WG) {
+        let j = p.y_off + 4u * i;
+        let v = vec4<f32>(y_at(j), y_at(j + 1u), y_at(j + 2u), y_at(j + 3u));
+        hn[p.hn_off + i] = v * inv * nw[p.nw_off + i];
+    }
 }
 
 fn y_at(i: u32) -> f32 {
@@ -639,7 +747,15 @@ fn main(
                 v += y[yi];
             }
             y[yi] = v;
+            if TAIL == 3u {
+                part[2u * i] = v;
+            }
         }
+    }
+    if TAIL == 3u {
+        workgroupBarrier();
+        route_part(li, wid.x, row0);
+        tail_next_route(li, sg, nsg, lane, wid.x);
     }
     if TAIL == 1u && arrive(li, wid.z) {
         tail_route(li, sg, nsg, lane, t0, nt);

@@ -76,6 +76,24 @@ pub struct Fuse<'a> {
     /// each token's `k` slots weighted into `acc`: `acc[t] += Σ_j w[t·k + j] · y[t·k + j]` — what
     /// `WeightedSum` does, without its dependent dispatch. Vulkan only.
     pub sum_into: Option<SumTail<'a>>,
+    /// One token, ungrouped, ungated, with `accumulate` (y is the residual stream, e.g. the
+    /// attention's output projection): the next MoE block's router — RMSNorm of the new y, its
+    /// logits, the softmax top-k, the normed row — in the dispatch's last workgroups, instead of
+    /// a router dispatch after it. Vulkan only.
+    pub next_route: Option<NextRoute<'a>>,
+}
+
+/// `Fuse::next_route`: the router that reads the product's output, and where its choice goes.
+#[derive(Clone, Copy, Debug)]
+pub struct NextRoute<'a> {
+    /// `[experts, rows]` bf16 (every converter keeps routers bf16).
+    pub router: WeightRef<'a>,
+    /// The block's RMSNorm weight (`rows` f32, 16-byte aligned) and epsilon.
+    pub norm: (BufRef<'a>, f32),
+    /// Receives the normed row (`rows` f32), which the experts read.
+    pub normed: BufRef<'a>,
+    /// As `RouteTail`.
+    pub route: RouteTail<'a>,
 }
 
 /// `Fuse::route`: where the router's choice goes, as `Router` writes it.
@@ -128,7 +146,8 @@ struct Params {
     tail_norm: u32,
     tail_a: u32,
     tail_b: u32,
-    _pad: [u32; 2],
+    r_off: u32,
+    r_stride: u32,
 }
 
 /// Launch shape and decoding choices; `Default` is what `MatVec::new` uses. Exposed so that
@@ -293,14 +312,22 @@ fn dtype_code(d: DType, t: MatVecTuning) -> Result<f64, GpuError> {
     })
 }
 
-/// `TAIL` of the kernel: 0 none, 1 route, 2 sum.
+/// `TAIL` of the kernel: 0 none, 1 route, 2 sum, 3 the next router.
 fn tail_kind(f: &Fuse) -> u32 {
-    match (f.route.is_some(), f.sum_into.is_some()) {
-        (true, _) => 1,
-        (_, true) => 2,
+    match (
+        f.route.is_some(),
+        f.sum_into.is_some(),
+        f.next_route.is_some(),
+    ) {
+        (true, _, _) => 1,
+        (_, true, _) => 2,
+        (_, _, true) => 3,
         _ => 0,
     }
 }
+
+/// The kernel's `RG`: workgroups whose router partials one first-level sum adds (TAIL 3).
+const ROUTE_GROUP: usize = 16;
 
 /// The bindings and parameters of a fused tail (placeholders without one).
 struct Tail<'a> {
@@ -315,34 +342,45 @@ struct Tail<'a> {
     normalize: u32,
     a_off: u32,
     b_off: u32,
+    /// TAIL 3: the router's weights (with its u32 offset and row stride in u32s) and the
+    /// partial sums' scratch buffer.
+    router: Option<(Binding<'a>, u32, u32)>,
+    partials: Option<wgpu::Buffer>,
 }
 
 impl<'a> Tail<'a> {
+    /// `groups`: the dispatch's workgroups along x (row blocks).
     fn bind(
         ctx: &GpuContext,
         d: &MatVecDesc<'a>,
         f: &Fuse<'a>,
+        groups: usize,
         err: &dyn Fn(String) -> GpuError,
     ) -> Result<Self, GpuError> {
         let kind = tail_kind(f);
-        // At most one counter per token (route) or output row (sum).
+        // At most one counter per token (route) or output row (sum); the next router's: one per
+        // first-level group and one above them.
         let counters = match kind {
             1 => d.n_tokens,
             2 => d.w.rows,
+            3 => groups.div_ceil(ROUTE_GROUP) + 1,
             _ => 1,
         };
         let done = ctx.storage_buffer("matvec tail counters", 4 * counters as u64);
+        let mut tail = Tail {
+            kind,
+            ids: None,
+            acc: None,
+            done,
+            k: 0,
+            normalize: 0,
+            a_off: 0,
+            b_off: 0,
+            router: None,
+            partials: None,
+        };
         if kind == 0 {
-            return Ok(Tail {
-                kind,
-                ids: None,
-                acc: None,
-                done,
-                k: 0,
-                normalize: 0,
-                a_off: 0,
-                b_off: 0,
-            });
+            return Ok(tail);
         }
         if !ctx.fused_tails() {
             return Err(err(format!(
@@ -350,21 +388,23 @@ impl<'a> Tail<'a> {
                 ctx.info().adapter.backend
             )));
         }
-        if f.route.is_some() && f.sum_into.is_some() || f.reduce.is_some() {
+        let tails = [
+            f.route.is_some(),
+            f.sum_into.is_some(),
+            f.next_route.is_some(),
+        ];
+        if tails.iter().filter(|t| **t).count() > 1 || f.reduce.is_some() {
             return Err(err("one tail at a time, and not with a reduce".into()));
         }
-        if let Some(r) = f.route {
-            if d.grouped.is_some() || d.up_offset.is_some() || f.accumulate {
-                return Err(err("routing needs an ungrouped, ungated product".into()));
-            }
-            if d.w.rows > super::router::MAX_EXPERTS
+        // The router's choice (route, next_route): its ids and weights for each token.
+        let mut choice = |r: RouteTail<'a>, experts: usize| -> Result<(), GpuError> {
+            if experts > super::router::MAX_EXPERTS
                 || r.k == 0
-                || r.k > d.w.rows.min(super::router::MAX_TOP_K)
+                || r.k > experts.min(super::router::MAX_TOP_K)
             {
                 return Err(err(format!(
-                    "routing: {} of {} experts (at most {} of {})",
+                    "routing: {} of {experts} experts (at most {} of {})",
                     r.k,
-                    d.w.rows,
                     super::router::MAX_TOP_K,
                     super::router::MAX_EXPERTS
                 )));
@@ -373,16 +413,45 @@ impl<'a> Tail<'a> {
             let (acc, b_off) = r
                 .weights
                 .bind(ctx, "matvec route weights", r.k * d.n_tokens, 4)?;
-            return Ok(Tail {
-                kind,
-                done,
-                ids: Some(ids),
-                acc: Some(acc),
-                k: r.k as u32,
-                normalize: r.normalize as u32,
-                a_off,
-                b_off,
-            });
+            (tail.ids, tail.acc, tail.a_off, tail.b_off) = (Some(ids), Some(acc), a_off, b_off);
+            (tail.k, tail.normalize) = (r.k as u32, r.normalize as u32);
+            Ok(())
+        };
+        if let Some(r) = f.route {
+            if d.grouped.is_some() || d.up_offset.is_some() || f.accumulate {
+                return Err(err("routing needs an ungrouped, ungated product".into()));
+            }
+            choice(r, d.w.rows)?;
+            return Ok(tail);
+        }
+        if let Some(nr) = f.next_route {
+            let rw = nr.router;
+            if d.grouped.is_some()
+                || d.up_offset.is_some()
+                || !f.accumulate
+                || f.norm.is_some()
+                || d.n_tokens != 1
+            {
+                return Err(err(
+                    "the next router needs one token's ungrouped, ungated product added to its \
+                     output, without a norm of its input"
+                        .into(),
+                ));
+            }
+            if rw.dtype != DType::Bf16 || rw.cols != d.w.rows || !d.w.rows.is_multiple_of(8) {
+                return Err(err(format!(
+                    "the next router must be bf16 over the {} output rows (a multiple of 8), \
+                     not {} {}x{}",
+                    d.w.rows, rw.dtype, rw.rows, rw.cols
+                )));
+            }
+            choice(nr.route, rw.rows)?;
+            let words = rw.rows * rw.cols / 2;
+            let (b, off) = BufRef::at(rw.buffer, rw.offset).bind(ctx, "matvec router", words, 4)?;
+            tail.router = Some((b, off, (rw.cols / 2) as u32));
+            let sums = (groups + groups.div_ceil(ROUTE_GROUP)) * (rw.rows + 1);
+            tail.partials = Some(ctx.storage_buffer("matvec router partials", 4 * sums as u64));
+            return Ok(tail);
         }
         let t = f.sum_into.expect("kind 2");
         let slots = d.grouped.map_or(0, |g| g.n_slots);
@@ -400,16 +469,8 @@ impl<'a> Tail<'a> {
         let (acc, a_off) = t
             .acc
             .bind(ctx, "matvec sum target", slots / t.k * d.w.rows, 4)?;
-        Ok(Tail {
-            kind,
-            done,
-            ids: None,
-            acc: Some(acc),
-            k: t.k as u32,
-            normalize: 0,
-            a_off,
-            b_off: 0,
-        })
+        (tail.acc, tail.a_off, tail.k) = (Some(acc), a_off, t.k as u32);
+        Ok(tail)
     }
 }
 
@@ -527,8 +588,20 @@ impl MatVec {
                 ("REDUCE", f.reduce.is_some() as u8 as f64),
                 ("NORM_OUT", f.norm_out.is_some() as u8 as f64),
                 ("TAIL", tail_kind(f) as f64),
-                ("TAIL_E", if f.route.is_some() { w.rows } else { 1 } as f64),
-                ("TAIL_K", f.route.map_or(1, |r| r.k) as f64),
+                (
+                    "TAIL_E",
+                    match (f.route, f.next_route) {
+                        (Some(_), _) => w.rows,
+                        (None, Some(nr)) => nr.router.rows,
+                        (None, None) => 1,
+                    } as f64,
+                ),
+                (
+                    "TAIL_K",
+                    f.route
+                        .or(f.next_route.map(|nr| nr.route))
+                        .map_or(1, |r| r.k) as f64,
+                ),
                 ("U", items_u as f64),
                 ("S", steps as f64),
             ],
@@ -558,12 +631,16 @@ impl MatVec {
         let (xb, x_off) = d.x.bind(ctx, "matvec x", x_slots * xs_slot, 16)?;
         let (yb, y_off) = d.y.bind(ctx, "matvec y", out_slots * ys_slot, 4)?;
         let unused;
-        let (nb, nw_off, eps) = match f.norm {
-            Some((nw, eps)) => {
+        let (nb, nw_off, eps) = match (f.norm, f.next_route) {
+            (Some((nw, eps)), _) => {
                 let (b, off) = nw.bind(ctx, "matvec norm weight", w.cols, 16)?;
                 (b, off, eps)
             }
-            None => {
+            (None, Some(nr)) => {
+                let (b, off) = nr.norm.0.bind(ctx, "matvec next norm weight", w.rows, 16)?;
+                (b, off, nr.norm.1)
+            }
+            (None, None) => {
                 unused = ctx.storage_buffer("matvec (unused)", 16);
                 (Binding::whole(&unused), 0, 0.0)
             }
@@ -574,8 +651,8 @@ impl MatVec {
             (None, None) => (nb, 0),
         };
         let hn_unused;
-        let (hb, hn_off) = match f.norm_out {
-            Some(hn) => {
+        let (hb, hn_off) = match (f.norm_out, f.next_route) {
+            (Some(hn), _) => {
                 if f.norm.is_none() || d.grouped.is_some() {
                     return Err(err(
                         "a normed output needs a norm and an ungrouped product".into()
@@ -583,12 +660,14 @@ impl MatVec {
                 }
                 hn.bind(ctx, "matvec normed output", d.n_tokens * w.cols, 16)?
             }
-            None => {
+            (None, Some(nr)) => nr.normed.bind(ctx, "matvec next normed row", w.rows, 16)?,
+            (None, None) => {
                 hn_unused = ctx.storage_buffer("matvec (no normed output)", 16);
                 (Binding::whole(&hn_unused), 0)
             }
         };
-        let tail = Tail::bind(ctx, d, f, &err)?;
+        let groups_x = w.rows.div_ceil(tune.rows as usize);
+        let tail = Tail::bind(ctx, d, f, groups_x, &err)?;
         let ids_fallback;
         let (ib, ids_off) = match d.grouped {
             Some(g) => BufRef::at(g.ids, g.ids_offset).bind(ctx, "matvec ids", n_slots, 4)?,
@@ -643,14 +722,15 @@ impl MatVec {
                 hn_per: (w.cols / 4).div_ceil(rows.div_ceil(tune.rows as u64) as usize) as u32,
                 // Router: every row block of a token tile counts in; sum: every slot of a block.
                 tail_n: match tail.kind {
-                    1 => rows.div_ceil(tune.rows as u64) as u32,
+                    1 | 3 => rows.div_ceil(tune.rows as u64) as u32,
                     _ => out_slots as u32,
                 },
                 tail_k: tail.k,
                 tail_norm: tail.normalize,
                 tail_a: tail.a_off,
                 tail_b: tail.b_off,
-                _pad: [0; 2],
+                r_off: tail.router.map_or(0, |r| r.1),
+                r_stride: tail.router.map_or(0, |r| r.2),
             };
             let pbuf = ctx.uniform("matvec params", &params);
             let bind = ctx.bind_group(
@@ -669,6 +749,9 @@ impl MatVec {
                     tail.ids.unwrap_or(Binding::whole(&tail.done)).entry(9),
                     tail.acc.unwrap_or(Binding::whole(&tail.done)).entry(10),
                     yb.entry(11),
+                    // (Read-only: without a router, the weights stand in.)
+                    tail.router.map_or(part.binding(&w), |r| r.0).entry(12),
+                    Binding::whole(tail.partials.as_ref().unwrap_or(&tail.done)).entry(13),
                 ],
             )?;
             let groups = [

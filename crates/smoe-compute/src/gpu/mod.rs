@@ -41,8 +41,8 @@ pub use kernels::{kernel_names, kernel_source};
 pub use launch::{IndirectArgs, Launch};
 pub use matmul::{MatMul, MatMulDesc, MatMulGrouped, MatMulTuning};
 pub use matvec::{
-    Fuse, Grouped, MatVec, MatVecDesc, MatVecTuning, Q4Decode, RouteTail, SumTail, WeightRef,
-    NT_MAX,
+    Fuse, Grouped, MatVec, MatVecDesc, MatVecTuning, NextRoute, Q4Decode, RouteTail, SumTail,
+    WeightRef, NT_MAX,
 };
 pub use ops::{Argmax, EltOp, Eltwise, RmsNorm, WeightedSum};
 pub use router::Router;

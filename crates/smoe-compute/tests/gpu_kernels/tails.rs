@@ -1,5 +1,6 @@
-//! Fused tails (`Fuse::route`, `Fuse::sum_into`): the work a matvec's last workgroup does after
-//! every workgroup has written its rows — the router's top-k and the experts' weighted sum —
+//! Fused tails (`Fuse::route`, `Fuse::sum_into`, `Fuse::next_route`): the work a matvec's last
+//! workgroup does after every workgroup has written its rows — the router's top-k, the experts'
+//! weighted sum, the next block's whole router —
 //! against the CPU doing the same steps on the GPU's own products, run twice in a row so that a
 //! counter left unreset would show.
 
@@ -7,7 +8,7 @@ use super::{assert_close, gpu, nan_buffer, rand_vec};
 use smoe_compute::cpu::ops::{rms_norm, route_softmax_topk};
 use smoe_compute::cpu::{matmul, QMatRef};
 use smoe_compute::gpu::{
-    BufRef, Fuse, GpuContext, Grouped, MatVec, MatVecDesc, RouteTail, SumTail, WeightRef,
+    BufRef, Fuse, GpuContext, Grouped, MatVec, MatVecDesc, NextRoute, RouteTail, SumTail, WeightRef,
 };
 use smoe_vault::quant::{quantize_matrix, DType};
 
@@ -229,6 +230,124 @@ fn sum_tail_matches_cpu_weighted_sum() {
     }
 }
 
+/// The attention's output projection added to the residual, with the next MoE block's router in
+/// its last workgroups: the new residual, the normed row the experts read, and the top-k, against
+/// the CPU's RMSNorm, router product and top-k of the GPU's residual. Shapes with a partial
+/// first-level group of workgroups (132 = 8·16 + 4), with more than 16 groups (257), and the
+/// 30B's o_proj (256 workgroups of 8 rows).
+#[test]
+fn next_route_tail_matches_cpu_router() {
+    let Some(ctx) = gpu() else { return };
+    if !ctx.fused_tails() {
+        eprintln!("skipped: fused tails are off on this adapter");
+        return;
+    }
+    let cases = [
+        (DType::Q4, 2048, 512, 128, 8, true),
+        (DType::Bf16, 264, 128, 60, 4, false),
+        (DType::Q8, 8200, 64, 16, 2, true),
+    ];
+    for (dtype, rows, cols, n_exp, k, normalize) in cases {
+        let what = format!("next route {dtype} {rows}x{cols}, {n_exp} experts k {k}");
+        let seed = (rows + cols + n_exp) as u64;
+        let q = quantize_matrix(dtype, &rand_vec(rows * cols, seed, 1.0), rows, cols);
+        let rq = quantize_matrix(
+            DType::Bf16,
+            &rand_vec(n_exp * rows, seed + 1, 1.0),
+            n_exp,
+            rows,
+        );
+        let x = rand_vec(cols, seed + 2, 1.0);
+        let resid = rand_vec(rows, seed + 3, 4.0);
+        let g = rand_vec(rows, seed + 4, 1.5);
+        let eps = 1e-6;
+        // The router after 64 bytes of other data, to exercise its offset.
+        let mut rblob = vec![0u8; 64];
+        rblob.extend_from_slice(&rq);
+        let wbuf = ctx.upload("o proj", &q);
+        let rbuf = ctx.upload("router", &rblob);
+        let xbuf = ctx.upload_f32("x", &x);
+        let gbuf = ctx.upload_f32("norm", &g);
+        let ybuf = ctx.upload_f32("residual", &resid);
+        let hbuf = nan_buffer(ctx, "hn", rows);
+        let ibuf = ctx.upload("ids", &vec![0xFFu8; 4 * (8 + k)]);
+        let wtbuf = nan_buffer(ctx, "weights", 8 + k);
+        let desc = MatVecDesc {
+            w: WeightRef {
+                buffer: &wbuf,
+                offset: 0,
+                dtype,
+                rows,
+                cols,
+            },
+            up_offset: None,
+            x: BufRef::new(&xbuf),
+            y: BufRef::new(&ybuf),
+            n_tokens: 1,
+            grouped: None,
+        };
+        let fuse = Fuse {
+            accumulate: true,
+            next_route: Some(NextRoute {
+                router: WeightRef {
+                    buffer: &rbuf,
+                    offset: 64,
+                    dtype: DType::Bf16,
+                    rows: n_exp,
+                    cols: rows,
+                },
+                norm: (BufRef::new(&gbuf), eps),
+                normed: BufRef::new(&hbuf),
+                route: RouteTail {
+                    ids: BufRef::at(&ibuf, 32),
+                    weights: BufRef::at(&wtbuf, 32),
+                    k,
+                    normalize,
+                },
+            }),
+            ..Default::default()
+        };
+        let mv = MatVec::fused(ctx, &desc, &fuse).unwrap();
+        run_twice(ctx, &mv, || {
+            ctx.queue
+                .write_buffer(&ybuf, 0, bytemuck::cast_slice(&resid));
+            ctx.queue.write_buffer(&ibuf, 32, &vec![0xFFu8; 4 * k]);
+            ctx.queue
+                .write_buffer(&wtbuf, 32, bytemuck::cast_slice(&vec![f32::NAN; k]));
+        });
+        let mut want_y = vec![0f32; rows];
+        matmul(QMatRef::new(dtype, rows, cols, &q), &x, 1, &mut want_y);
+        for (w, r) in want_y.iter_mut().zip(&resid) {
+            *w += r;
+        }
+        let y = ctx.read_f32(&ybuf, 0, rows).unwrap();
+        assert_close(&format!("{what}: residual"), &y, &want_y, 1e-5);
+        // The router's steps on the GPU's own residual.
+        let mut h = vec![0f32; rows];
+        rms_norm(&y, &g, eps, &mut h);
+        let hn = ctx.read_f32(&hbuf, 0, rows).unwrap();
+        assert_close(&format!("{what}: normed row"), &hn, &h, 1e-10);
+        let mut logits = vec![0f32; n_exp];
+        matmul(
+            QMatRef::new(DType::Bf16, n_exp, rows, &rq),
+            &h,
+            1,
+            &mut logits,
+        );
+        let want = route_softmax_topk(&logits, k, normalize);
+        let want_ids: Vec<u32> = want.iter().map(|c| c.0 as u32).collect();
+        let want_w: Vec<f32> = want.iter().map(|c| c.1).collect();
+        assert_eq!(ctx.read_u32(&ibuf, 32, k).unwrap(), want_ids, "{what}: ids");
+        let got_w = ctx.read_f32(&wtbuf, 32, k).unwrap();
+        assert_close(&format!("{what}: weights"), &got_w, &want_w, 1e-9);
+        let poison = ctx.read_u32(&ibuf, 0, 8).unwrap();
+        assert!(
+            poison.iter().all(|&v| v == u32::MAX),
+            "{what}: ids before the offset"
+        );
+    }
+}
+
 /// Tails the kernel cannot run are refused with a message, not run wrong.
 #[test]
 fn bad_tails_are_refused() {
@@ -262,6 +381,18 @@ fn bad_tails_are_refused() {
         k,
         normalize: true,
     };
+    let next = |router_cols| NextRoute {
+        router: WeightRef {
+            buffer: &wbuf,
+            offset: 0,
+            dtype: DType::Bf16,
+            rows: 8,
+            cols: router_cols,
+        },
+        norm: (BufRef::new(&xbuf), 1e-6),
+        normed: BufRef::new(&ybuf),
+        route: route(2),
+    };
     let sum = SumTail {
         acc: BufRef::new(&ybuf),
         weights: BufRef::new(&xbuf),
@@ -286,6 +417,17 @@ fn bad_tails_are_refused() {
         Fuse {
             route: Some(route(2)),
             sum_into: Some(sum),
+            ..Default::default()
+        },
+        // The next router: without the residual add, and over the wrong width (its columns
+        // must be the product's rows).
+        Fuse {
+            next_route: Some(next(rows)),
+            ..Default::default()
+        },
+        Fuse {
+            accumulate: true,
+            next_route: Some(next(cols)),
             ..Default::default()
         },
     ];

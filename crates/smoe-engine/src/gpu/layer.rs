@@ -27,9 +27,10 @@ use super::weights::{FfnW, LayerW, Mlp, Packed};
 use crate::error::EngineError;
 use smoe_compute::gpu::{
     wgpu, BufRef, EltOp, Eltwise, ExpertSort, Fuse, GpuContext, Grouped, MatMul, MatMulDesc,
-    MatMulGrouped, MatMulTuning, MatVec, MatVecDesc, RmsNorm, RouteTail, Router, SumTail,
-    WeightRef, WeightedSum,
+    MatMulGrouped, MatMulTuning, MatVec, MatVecDesc, NextRoute, RmsNorm, RouteTail, Router,
+    SumTail, WeightRef, WeightedSum,
 };
+use smoe_vault::quant::DType;
 use smoe_vault::ModelConfig;
 
 /// A recorded dispatch and the step of the layer it belongs to (the label of the time
@@ -287,6 +288,51 @@ impl B<'_> {
         Ok(())
     }
 
+    /// Whether one token's o projection runs the next MoE block's router in its last
+    /// workgroups (`Fuse::next_route`): where tails fuse, for a bf16 router (every converter's),
+    /// unless `SMOE_FUSED_ROUTER=0` (the router's own dispatch, for comparisons). H200, q4 30B:
+    /// see docs/performance.md ("The router inside the o projection").
+    fn router_in_o(&self, router: &Packed) -> bool {
+        let r = router.w(0);
+        self.n == 1
+            && !self.gemm
+            && self.ctx.fused_tails()
+            && r.dtype == DType::Bf16
+            && r.cols.is_multiple_of(8)
+            && std::env::var("SMOE_FUSED_ROUTER").as_deref() != Ok("0")
+    }
+
+    /// x += W·y for one token, with the next MoE block's router (its RMSNorm with `norm`, the
+    /// logits, the top-k into ids and weights, the normed row into hn) in the product's last
+    /// workgroups.
+    fn proj_add_route(
+        &self,
+        w: WeightRef,
+        y: BufRef,
+        router: &Packed,
+        norm: &wgpu::Buffer,
+        eps: f32,
+        k: usize,
+    ) -> Result<Op, EngineError> {
+        let a = self.a;
+        let fuse = Fuse {
+            accumulate: true,
+            next_route: Some(NextRoute {
+                router: router.w(0),
+                norm: (BufRef::new(norm), eps),
+                normed: BufRef::new(&a.hn),
+                route: RouteTail {
+                    ids: BufRef::new(&a.ids),
+                    weights: BufRef::new(&a.rw),
+                    k,
+                    normalize: self.norm_topk,
+                },
+            }),
+            ..Fuse::default()
+        };
+        self.mv("o proj + router", w, None, y, BufRef::new(&a.x), None, fuse)
+    }
+
     /// A matvec reading the block's normed input (a GEMM for a batch).
     fn mv_in(
         &self,
@@ -467,7 +513,21 @@ impl LayerOps {
 
         // x += o(attn), then the FFN block.
         let mut post = vec![];
-        b.proj_add("o proj", w.o.w(0), BufRef::new(&a.attn), &mut post)?;
+        let attn = BufRef::new(&a.attn);
+        let router_in_o = match &w.ffn {
+            FfnW::Moe {
+                router,
+                shared: None,
+                ..
+            } if b.router_in_o(router) => {
+                post.push(b.proj_add_route(w.o.w(0), attn, router, &w.post_norm, eps, d.k)?);
+                true
+            }
+            _ => {
+                b.proj_add("o proj", w.o.w(0), attn, &mut post)?;
+                false
+            }
+        };
         let shared_expert = matches!(
             &w.ffn,
             FfnW::Moe {
@@ -510,7 +570,9 @@ impl LayerOps {
                     fuse.norm_out = Some(hn);
                     x = BufRef::new(&a.x);
                 }
-                post.extend(b.route("router", router, x, [rlog, ids, rw], fuse, e.n, k)?);
+                if !router_in_o {
+                    post.extend(b.route("router", router, x, [rlog, ids, rw], fuse, e.n, k)?);
+                }
                 if let Some(next) = next_router {
                     let ahead = a.ahead.each_ref().map(BufRef::new);
                     let guess = b.route("lookahead", next, hn, ahead, Fuse::default(), e.n, k)?;
