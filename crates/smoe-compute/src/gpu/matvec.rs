@@ -96,6 +96,15 @@ pub struct NextRoute<'a> {
     pub route: RouteTail<'a>,
 }
 
+impl NextRoute<'_> {
+    /// Whether `router` can run in the last workgroups of a product with `out_rows` output rows
+    /// (`Fuse::next_route`): bf16 over exactly those rows, a multiple of 8 (the kernel reads the
+    /// weights of each workgroup's rows in pairs).
+    pub fn fits(router: &WeightRef, out_rows: usize) -> bool {
+        router.dtype == DType::Bf16 && router.cols == out_rows && out_rows.is_multiple_of(8)
+    }
+}
+
 /// `Fuse::route`: where the router's choice goes, as `Router` writes it.
 #[derive(Clone, Copy, Debug)]
 pub struct RouteTail<'a> {
@@ -342,6 +351,9 @@ struct Tail<'a> {
     normalize: u32,
     a_off: u32,
     b_off: u32,
+    /// Routing tails (1, 3): the experts the top-k chooses from (the kernel's `TAIL_E`); 0
+    /// otherwise.
+    experts: usize,
     /// TAIL 3: the router's weights (with its u32 offset and row stride in u32s) and the
     /// partial sums' scratch buffer.
     router: Option<(Binding<'a>, u32, u32)>,
@@ -376,6 +388,7 @@ impl<'a> Tail<'a> {
             normalize: 0,
             a_off: 0,
             b_off: 0,
+            experts: 0,
             router: None,
             partials: None,
         };
@@ -415,6 +428,7 @@ impl<'a> Tail<'a> {
                 .bind(ctx, "matvec route weights", r.k * d.n_tokens, 4)?;
             (tail.ids, tail.acc, tail.a_off, tail.b_off) = (Some(ids), Some(acc), a_off, b_off);
             (tail.k, tail.normalize) = (r.k as u32, r.normalize as u32);
+            tail.experts = experts;
             Ok(())
         };
         if let Some(r) = f.route {
@@ -438,7 +452,7 @@ impl<'a> Tail<'a> {
                         .into(),
                 ));
             }
-            if rw.dtype != DType::Bf16 || rw.cols != d.w.rows || !d.w.rows.is_multiple_of(8) {
+            if !NextRoute::fits(&rw, d.w.rows) {
                 return Err(err(format!(
                     "the next router must be bf16 over the {} output rows (a multiple of 8), \
                      not {} {}x{}",
@@ -573,6 +587,8 @@ impl MatVec {
             Q4Decode::PairsF16 if f16 && w.dtype == DType::Q4 => "matvec_f16",
             _ => "matvec",
         };
+        let groups_x = w.rows.div_ceil(tune.rows as usize);
+        let tail = Tail::bind(ctx, d, f, groups_x, &err)?;
         let pipeline = ctx.pipeline(
             kernel,
             &[
@@ -588,20 +604,8 @@ impl MatVec {
                 ("REDUCE", f.reduce.is_some() as u8 as f64),
                 ("NORM_OUT", f.norm_out.is_some() as u8 as f64),
                 ("TAIL", tail_kind(f) as f64),
-                (
-                    "TAIL_E",
-                    match (f.route, f.next_route) {
-                        (Some(_), _) => w.rows,
-                        (None, Some(nr)) => nr.router.rows,
-                        (None, None) => 1,
-                    } as f64,
-                ),
-                (
-                    "TAIL_K",
-                    f.route
-                        .or(f.next_route.map(|nr| nr.route))
-                        .map_or(1, |r| r.k) as f64,
-                ),
+                ("TAIL_E", tail.experts.max(1) as f64),
+                ("TAIL_K", if tail.experts > 0 { tail.k } else { 1 } as f64),
                 ("U", items_u as f64),
                 ("S", steps as f64),
             ],
@@ -666,8 +670,6 @@ impl MatVec {
                 (Binding::whole(&hn_unused), 0)
             }
         };
-        let groups_x = w.rows.div_ceil(tune.rows as usize);
-        let tail = Tail::bind(ctx, d, f, groups_x, &err)?;
         let ids_fallback;
         let (ib, ids_off) = match d.grouped {
             Some(g) => BufRef::at(g.ids, g.ids_offset).bind(ctx, "matvec ids", n_slots, 4)?,

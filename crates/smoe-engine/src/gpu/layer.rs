@@ -30,7 +30,6 @@ use smoe_compute::gpu::{
     MatMulGrouped, MatMulTuning, MatVec, MatVecDesc, NextRoute, RmsNorm, RouteTail, Router,
     SumTail, WeightRef, WeightedSum,
 };
-use smoe_vault::quant::DType;
 use smoe_vault::ModelConfig;
 
 /// A recorded dispatch and the step of the layer it belongs to (the label of the time
@@ -289,16 +288,14 @@ impl B<'_> {
     }
 
     /// Whether one token's o projection runs the next MoE block's router in its last
-    /// workgroups (`Fuse::next_route`): where tails fuse, for a bf16 router (every converter's),
-    /// unless `SMOE_FUSED_ROUTER=0` (the router's own dispatch, for comparisons). H200, q4 30B:
-    /// see docs/performance.md ("The router inside the o projection").
-    fn router_in_o(&self, router: &Packed) -> bool {
-        let r = router.w(0);
+    /// workgroups (`Fuse::next_route`): where tails fuse and the router fits (`NextRoute::fits`:
+    /// bf16, every converter's), unless `SMOE_FUSED_ROUTER=0` (the router's own dispatch, for
+    /// comparisons). H100, q4 30B: see docs/performance.md ("The router inside the o projection").
+    fn router_in_o(&self, router: &Packed, o: WeightRef) -> bool {
         self.n == 1
             && !self.gemm
             && self.ctx.fused_tails()
-            && r.dtype == DType::Bf16
-            && r.cols.is_multiple_of(8)
+            && NextRoute::fits(&router.w(0), o.rows)
             && std::env::var("SMOE_FUSED_ROUTER").as_deref() != Ok("0")
     }
 
@@ -519,7 +516,7 @@ impl LayerOps {
                 router,
                 shared: None,
                 ..
-            } if b.router_in_o(router) => {
+            } if b.router_in_o(router, w.o.w(0)) => {
                 post.push(b.proj_add_route(w.o.w(0), attn, router, &w.post_norm, eps, d.k)?);
                 true
             }
