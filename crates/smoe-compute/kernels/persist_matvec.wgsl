@@ -4,6 +4,13 @@
 // (grid_sync.wgsl's), with each step's weights loaded before (EARLY) or after the wait for the
 // step before. A measurement of what a persistent decode kernel would gain, not an engine kernel.
 //
+// OVERLAP: one dispatch per step again, but from pipelines whose layout declares every binding
+// read-only (`GpuContext::pipeline_unfenced`), so that wgpu puts no barrier between the steps and
+// a step's workgroups may start while the step before runs: each waits on the arrival counter
+// for every workgroup of the steps before (sync[0] counts them all, never reset between steps),
+// and reads y through atomic loads (`ya`, the same buffer), which no SM's cache can answer from
+// an older copy. With EARLY its weights are loaded before that wait, overlapping the step before.
+//
 // Shapes are fixed: COLS = 2048 inputs, 16 rows per workgroup (rows = 16 · workgroups); lane li
 // of a workgroup multiplies 16-byte chunk li (8 inputs) of each of its 16 rows, the partial sums
 // are added per subgroup and then per row in workgroup memory. Every step's y is written with
@@ -24,6 +31,7 @@ struct Params {
 override PERSIST: bool = false;
 override EARLY: bool = false;
 override RESET: bool = false;
+override OVERLAP: bool = false;
 const COLS: u32 = 2048u;
 const R: u32 = 16u;
 const WG: u32 = 256u;
@@ -35,6 +43,8 @@ const WG: u32 = 256u;
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
 // [0] arrivals, [1] workgroups that gave up waiting.
 @group(0) @binding(3) var<storage, read_write> sync: array<atomic<u32>>;
+// y again, for OVERLAP's atomic loads.
+@group(0) @binding(4) var<storage, read_write> ya: array<atomic<u32>>;
 
 var<workgroup> xs: array<f32, COLS>;
 var<workgroup> red: array<f32, 512>; // R rows × up to 32 subgroups
@@ -87,8 +97,22 @@ fn main(
             }
             storageBarrier();
         }
+        if OVERLAP && s > 0u {
+            // Every workgroup of steps 0..s (this dispatch is step s alone).
+            if grid_wait(li, s * p.groups, p.spin_limit) {
+                if li == 0u {
+                    atomicAdd(&sync[1], 1u);
+                }
+                return;
+            }
+            storageBarrier();
+        }
         for (var c = li; c < COLS; c += WG) {
-            xs[c] = y[s * COLS + c];
+            if OVERLAP {
+                xs[c] = bitcast<f32>(atomicLoad(&ya[s * COLS + c]));
+            } else {
+                xs[c] = y[s * COLS + c];
+            }
         }
         workgroupBarrier();
         if !EARLY {
@@ -111,7 +135,7 @@ fn main(
             }
             y[(s + 1u) * COLS + row0 + li] = acc;
         }
-        if PERSIST {
+        if PERSIST || OVERLAP {
             // Publish this step's rows, then count the workgroup in.
             storageBarrier();
             if li == 0u {

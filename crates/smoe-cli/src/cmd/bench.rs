@@ -208,6 +208,8 @@ fn kernels(a: KernelArgs) -> Result<()> {
                     "skipped": chain.skipped, "dispatch_us_per_step": chain.dispatch_us,
                     "persistent_us_per_step": chain.persistent_us,
                     "early_loads_us_per_step": chain.early_us,
+                    "overlapped_us_per_step": chain.overlap_us,
+                    "overlapped_early_loads_us_per_step": chain.overlap_early_us,
                     "max_rel_diff": chain.max_rel_diff})),
                 "rows": rows, "errors": errors})
         );

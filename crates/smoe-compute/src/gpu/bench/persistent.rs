@@ -32,6 +32,10 @@ pub enum ChainMode {
     /// One dispatch, a barrier across its workgroups between steps; `early`: each step's
     /// weights are loaded before the wait for the step before.
     Persistent { early: bool },
+    /// One dispatch per step with no barrier between them (`GpuContext::pipeline_unfenced`):
+    /// each step's workgroups wait on a counter for the steps before, so a step may start (and
+    /// with `early` load its weights) while the one before runs. Needs passthrough shaders.
+    Overlapped { early: bool },
 }
 
 /// The chain's buffers and recorded dispatches.
@@ -77,6 +81,7 @@ impl Chain {
             Binding::whole(&wb),
             Binding::whole(&y),
             Binding::whole(&sync),
+            Binding::whole(&y),
         ];
         let params = |steps: usize, step0: usize| Params {
             rows: rows as u32,
@@ -97,6 +102,27 @@ impl Chain {
                 let constants = [("PERSIST", 1.0), ("EARLY", early as u8 as f64)];
                 let run = Dispatch::new(ctx, k, &constants, &p, &bufs, [groups, 1, 1])?;
                 vec![reset, run]
+            }
+            ChainMode::Overlapped { early } => {
+                // The reset is an ordinary dispatch: wgpu fences it from the steps before and
+                // after (the buffers' uses change), so a run's counter starts at 0.
+                let reset =
+                    Dispatch::new(ctx, k, &[("RESET", 1.0)], &params(1, 0), &bufs, [1, 1, 1])?;
+                let constants = [("OVERLAP", 1.0), ("EARLY", early as u8 as f64)];
+                let pipeline = ctx.pipeline_unfenced(k, &constants)?;
+                let mut v = vec![reset];
+                for s in 0..steps {
+                    let p = params(1, s);
+                    v.push(Dispatch::with_pipeline(
+                        ctx,
+                        k,
+                        pipeline.clone(),
+                        &p,
+                        &bufs,
+                        [groups, 1, 1],
+                    )?);
+                }
+                v
             }
         };
         Ok(Chain {
@@ -138,6 +164,11 @@ pub struct PersistentBench {
     pub dispatch_us: Option<f64>,
     pub persistent_us: Option<f64>,
     pub early_us: Option<f64>,
+    /// µs per step as unfenced dispatches waiting on a counter (`ChainMode::Overlapped`), the
+    /// weights loaded after / before the wait; `None` where the device has no passthrough
+    /// shaders or the workgroups gave up waiting.
+    pub overlap_us: Option<f64>,
+    pub overlap_early_us: Option<f64>,
     /// Largest |Δ| of the persistent runs' outputs from the dispatch chain's, relative to the
     /// largest output.
     pub max_rel_diff: f64,
@@ -163,6 +194,8 @@ pub fn persistent_chain(ctx: &GpuContext) -> Result<PersistentBench, GpuError> {
             dispatch_us: None,
             persistent_us: None,
             early_us: None,
+            overlap_us: None,
+            overlap_early_us: None,
             max_rel_diff: 0.0,
             skipped: Some(why),
         });
@@ -180,8 +213,13 @@ pub fn persistent_chain(ctx: &GpuContext) -> Result<PersistentBench, GpuError> {
         .fold(0f32, |m, v| m.max(v.abs()))
         .max(f32::MIN_POSITIVE);
     let mut max_rel_diff = 0f64;
-    let mut per_step = |early| -> Result<Option<f64>, GpuError> {
-        let c = Chain::new(ctx, ChainMode::Persistent { early }, groups, steps, &w, &x0)?;
+    let mut per_step = |mode| -> Result<Option<f64>, GpuError> {
+        let c = match Chain::new(ctx, mode, groups, steps, &w, &x0) {
+            Ok(c) => c,
+            // No passthrough shaders: no unfenced pipelines.
+            Err(_) if matches!(mode, ChainMode::Overlapped { .. }) => return Ok(None),
+            Err(e) => return Err(e),
+        };
         let (got, gave_up) = c.run(ctx)?;
         if gave_up > 0 {
             return Ok(None);
@@ -193,14 +231,18 @@ pub fn persistent_chain(ctx: &GpuContext) -> Result<PersistentBench, GpuError> {
             timer.time(&|pass| c.record(pass))? / steps as f64 * 1e6,
         ))
     };
-    let persistent_us = per_step(false)?;
-    let early_us = per_step(true)?;
+    let persistent_us = per_step(ChainMode::Persistent { early: false })?;
+    let early_us = per_step(ChainMode::Persistent { early: true })?;
+    let overlap_us = per_step(ChainMode::Overlapped { early: false })?;
+    let overlap_early_us = per_step(ChainMode::Overlapped { early: true })?;
     Ok(PersistentBench {
         steps,
         groups,
         dispatch_us,
         persistent_us,
         early_us,
+        overlap_us,
+        overlap_early_us,
         max_rel_diff,
         skipped: None,
     })
@@ -217,13 +259,17 @@ impl fmt::Display for PersistentBench {
             return write!(f, "{}", self.skipped.unwrap_or("not measured"));
         };
         let us = |v: Option<f64>| v.map_or("not co-resident".into(), |u| format!("{u:.2} µs"));
+        let ov = |v: Option<f64>| v.map_or("not measured".into(), |u| format!("{u:.2} µs"));
         write!(
             f,
             "{:.2} µs per step as dependent dispatches, {} in one persistent dispatch, {} with \
-             each step's weights loaded before its barrier (outputs within {:.1e})",
+             each step's weights loaded before its barrier; as unfenced dispatches waiting on a \
+             counter {}, {} with the weights loaded first (outputs within {:.1e})",
             dispatch_us,
             us(self.persistent_us),
             us(self.early_us),
+            ov(self.overlap_us),
+            ov(self.overlap_early_us),
             self.max_rel_diff
         )
     }
