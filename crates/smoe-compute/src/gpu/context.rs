@@ -218,6 +218,8 @@ pub struct GpuContext {
     pipelines: Mutex<HashMap<PipelineKey, wgpu::ComputePipeline>>,
     /// Why the matrix units were turned off after opening (a kernel that failed to build).
     matrix_units_off: Mutex<Option<String>>,
+    /// Overlapped decode's counter (`chain.rs`), made on first use where the mode is on.
+    chain: std::sync::OnceLock<Option<super::chain::ChainSync>>,
 }
 
 impl GpuContext {
@@ -316,6 +318,7 @@ impl GpuContext {
             parsed: Mutex::default(),
             pipelines: Mutex::default(),
             matrix_units_off: Mutex::default(),
+            chain: std::sync::OnceLock::new(),
         })
     }
 
@@ -426,6 +429,35 @@ impl GpuContext {
         self.spirv_pipeline(kernel, constants, true)
     }
 
+    /// Whether single-token passes may run overlapped (`chain.rs`): `SMOE_OVERLAP_DECODE=1`,
+    /// on NVIDIA's own driver (every kernel through our SPIR-V, passthrough shaders).
+    pub fn overlapped_decode(&self) -> bool {
+        self.chain_sync().is_some()
+    }
+
+    pub(crate) fn chain_sync(&self) -> Option<&super::chain::ChainSync> {
+        self.chain
+            .get_or_init(|| {
+                let on = std::env::var(super::chain::OVERLAP_ENV).is_ok_and(|v| v == "1");
+                if !on || self.info.exec_barriers != ExecBarriers::AllKernels {
+                    return None;
+                }
+                super::chain::ChainSync::new(self)
+                    .map_err(|e| tracing::warn!("overlapped decode off: {e}"))
+                    .ok()
+            })
+            .as_ref()
+    }
+
+    /// Workgroups of overlapped passes that gave up waiting for the dispatches before them
+    /// (`chain.rs`; 0 where the mode is off). Waits for the GPU.
+    pub fn overlap_gave_up(&self) -> Result<u32, GpuError> {
+        match self.chain_sync() {
+            Some(c) => c.gave_up(self),
+            None => Ok(0),
+        }
+    }
+
     fn spirv_pipeline(
         &self,
         kernel: &'static str,
@@ -445,6 +477,11 @@ impl GpuContext {
                     self.info.exec_barriers.covers(parsed.cooperative),
                 )
                 .map_err(fail)?;
+            let mut words = words;
+            if super::chain::base_name(kernel).is_some() {
+                let coherent = parsed.storage_bindings_except(super::chain::WEIGHT_BINDINGS);
+                super::spirv::coherent_bindings(&mut words, &coherent).map_err(fail)?;
+            }
             let entries: Vec<wgpu::BindGroupLayoutEntry> = parsed
                 .bindings
                 .iter()

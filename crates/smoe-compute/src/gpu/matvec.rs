@@ -2,6 +2,7 @@
 //! (silu(G·x)·(U·x)) and grouped (a stack of experts chosen by ids on the GPU).
 
 use super::buffers::{Binding, BufRef};
+use super::chain::Chained;
 use super::context::{GpuContext, GpuError};
 use super::launch::Launch;
 use super::parts::split_rows;
@@ -300,6 +301,8 @@ const STAGE_FLOATS: usize = 4096;
 pub struct MatVec {
     pipeline: wgpu::ComputePipeline,
     parts: Vec<(wgpu::BindGroup, [u32; 3])>,
+    /// The parts' twins for overlapped single-token passes (`chain.rs`), where there are any.
+    chained: Vec<Chained>,
 }
 
 fn dtype_code(d: DType, t: MatVecTuning) -> Result<f64, GpuError> {
@@ -589,27 +592,25 @@ impl MatVec {
         };
         let groups_x = w.rows.div_ceil(tune.rows as usize);
         let tail = Tail::bind(ctx, d, f, groups_x, &err)?;
-        let pipeline = ctx.pipeline(
-            kernel,
-            &[
-                ("DTYPE", dtype_code(w.dtype, tune)?),
-                ("NT", nt as f64),
-                ("TILE", tile as f64),
-                ("ROWS", tune.rows as f64),
-                ("WG", tune.wg as f64),
-                ("GATED", d.up_offset.is_some() as u8 as f64),
-                ("GROUPED", d.grouped.is_some() as u8 as f64),
-                ("NORM", f.norm.is_some() as u8 as f64),
-                ("ACCUM", f.accumulate as u8 as f64),
-                ("REDUCE", f.reduce.is_some() as u8 as f64),
-                ("NORM_OUT", f.norm_out.is_some() as u8 as f64),
-                ("TAIL", tail_kind(f) as f64),
-                ("TAIL_E", tail.experts.max(1) as f64),
-                ("TAIL_K", if tail.experts > 0 { tail.k } else { 1 } as f64),
-                ("U", items_u as f64),
-                ("S", steps as f64),
-            ],
-        )?;
+        let constants = [
+            ("DTYPE", dtype_code(w.dtype, tune)?),
+            ("NT", nt as f64),
+            ("TILE", tile as f64),
+            ("ROWS", tune.rows as f64),
+            ("WG", tune.wg as f64),
+            ("GATED", d.up_offset.is_some() as u8 as f64),
+            ("GROUPED", d.grouped.is_some() as u8 as f64),
+            ("NORM", f.norm.is_some() as u8 as f64),
+            ("ACCUM", f.accumulate as u8 as f64),
+            ("REDUCE", f.reduce.is_some() as u8 as f64),
+            ("NORM_OUT", f.norm_out.is_some() as u8 as f64),
+            ("TAIL", tail_kind(f) as f64),
+            ("TAIL_E", tail.experts.max(1) as f64),
+            ("TAIL_K", if tail.experts > 0 { tail.k } else { 1 } as f64),
+            ("U", items_u as f64),
+            ("S", steps as f64),
+        ];
+        let pipeline = ctx.pipeline(kernel, &constants)?;
         let (n_slots, n_mats, mat_stride, x_per_slot, x_div) = match d.grouped {
             Some(g) => (
                 g.n_slots,
@@ -688,7 +689,7 @@ impl MatVec {
             ));
         }
         let max_wg = ctx.limits().max_compute_workgroups_per_dimension as u64;
-        let mut parts = vec![];
+        let (mut parts, mut chained) = (vec![], vec![]);
         for part in split {
             let (r0, rows) = (part.r0, part.rows);
             let params = Params {
@@ -735,27 +736,25 @@ impl MatVec {
                 r_stride: tail.router.map_or(0, |r| r.2),
             };
             let pbuf = ctx.uniform("matvec params", &params);
-            let bind = ctx.bind_group(
-                "matvec",
-                &pipeline,
-                &[
-                    Binding::whole(&pbuf).entry(0),
-                    part.binding(&w).entry(1),
-                    xb.entry(2),
-                    yb.entry(3),
-                    ib.entry(4),
-                    nb.entry(5),
-                    rb.entry(6),
-                    hb.entry(7),
-                    Binding::whole(&tail.done).entry(8),
-                    tail.ids.unwrap_or(Binding::whole(&tail.done)).entry(9),
-                    tail.acc.unwrap_or(Binding::whole(&tail.done)).entry(10),
-                    yb.entry(11),
-                    // (Read-only: without a router, the weights stand in.)
-                    tail.router.map_or(part.binding(&w), |r| r.0).entry(12),
-                    Binding::whole(tail.partials.as_ref().unwrap_or(&tail.done)).entry(13),
-                ],
-            )?;
+            let entries = [
+                Binding::whole(&pbuf).entry(0),
+                part.binding(&w).entry(1),
+                xb.entry(2),
+                yb.entry(3),
+                ib.entry(4),
+                nb.entry(5),
+                rb.entry(6),
+                hb.entry(7),
+                Binding::whole(&tail.done).entry(8),
+                tail.ids.unwrap_or(Binding::whole(&tail.done)).entry(9),
+                tail.acc.unwrap_or(Binding::whole(&tail.done)).entry(10),
+                yb.entry(11),
+                // (Read-only: without a router, the weights stand in.)
+                tail.router.map_or(part.binding(&w), |r| r.0).entry(12),
+                Binding::whole(tail.partials.as_ref().unwrap_or(&tail.done)).entry(13),
+            ];
+            let bind = ctx.bind_group("matvec", &pipeline, &entries)?;
+            chained.extend(Chained::new(ctx, kernel, &constants, &entries)?);
             let groups = [
                 rows.div_ceil(tune.rows as u64),
                 out_slots as u64,
@@ -772,7 +771,15 @@ impl MatVec {
             }
             parts.push((bind, groups.map(|g| g as u32)));
         }
-        Ok(MatVec { pipeline, parts })
+        // Twins for every part, or none.
+        if chained.len() != parts.len() {
+            chained.clear();
+        }
+        Ok(MatVec {
+            pipeline,
+            parts,
+            chained,
+        })
     }
 
     /// Records the product into an open compute pass.
@@ -782,6 +789,14 @@ impl MatVec {
 
     /// Records the product, launched as `launch` says.
     pub fn record_with(&self, pass: &mut wgpu::ComputePass<'_>, launch: &mut Launch) {
+        for (i, (_, groups)) in self.parts.iter().enumerate() {
+            if !launch.chain(pass, self.chained.get(i), *groups) {
+                break;
+            }
+            if i + 1 == self.parts.len() {
+                return;
+            }
+        }
         pass.set_pipeline(&self.pipeline);
         for (bind, groups) in &self.parts {
             pass.set_bind_group(0, bind, &[]);

@@ -30,6 +30,8 @@ pub struct Parsed {
     pub bindings: Vec<KernelBinding>,
     /// Whether it uses cooperative matrices (the tensor-core GEMM).
     pub cooperative: bool,
+    /// The storage bindings' names, by binding.
+    storage_names: Vec<(u32, String)>,
 }
 
 impl Parsed {
@@ -69,6 +71,17 @@ impl Parsed {
             })
             .collect();
         bindings.sort_by_key(|b| b.binding);
+        let storage_names = module
+            .global_variables
+            .iter()
+            .filter(|(h, g)| {
+                !uses[*h].is_empty() && matches!(g.space, naga::AddressSpace::Storage { .. })
+            })
+            .filter_map(|(_, g)| {
+                let b = g.binding.as_ref().filter(|b| b.group == 0)?;
+                Some((b.binding, g.name.clone().unwrap_or_default()))
+            })
+            .collect();
         let cooperative = module
             .types
             .iter()
@@ -78,7 +91,17 @@ impl Parsed {
             info,
             bindings,
             cooperative,
+            storage_names,
         })
+    }
+
+    /// The storage bindings whose names are not in `except`.
+    pub fn storage_bindings_except(&self, except: &[&str]) -> Vec<u32> {
+        self.storage_names
+            .iter()
+            .filter(|(_, n)| !except.contains(&n.as_str()))
+            .map(|(b, _)| *b)
+            .collect()
     }
 
     /// SPIR-V of `main` with its `override`s set to `constants`, under the GLSL450 memory model
@@ -232,6 +255,68 @@ pub fn execution_only_barriers(words: &mut Vec<u32>) -> Result<(), String> {
     Ok(())
 }
 
+/// Decorates the variables bound at `bindings` (group 0) `Coherent`: under the GLSL450 memory
+/// model their loads and stores are then coherent across the device's invocations, which no
+/// SM's cache answers from an older copy. For the overlapped decode's twins (`chain.rs`), whose
+/// inputs other dispatches write while they may already run. Fails unless each binding was
+/// found.
+pub fn coherent_bindings(words: &mut Vec<u32>, bindings: &[u32]) -> Result<(), String> {
+    const HEADER: usize = 5;
+    if words.len() < HEADER || words[0] != 0x0723_0203 {
+        return Err("not a SPIR-V module".into());
+    }
+    // id → binding, for variables in descriptor set 0.
+    let (mut binding_of, mut set0) = (std::collections::HashMap::new(), vec![]);
+    let mut i = HEADER;
+    while i < words.len() {
+        let (count, op) = ((words[i] >> 16) as usize, words[i] & 0xffff);
+        if count == 0 || i + count > words.len() {
+            return Err(format!("malformed SPIR-V instruction at word {i}"));
+        }
+        if op == OP_DECORATE && count == 4 {
+            match words[i + 2] {
+                DECORATION_BINDING => {
+                    binding_of.insert(words[i + 1], words[i + 3]);
+                }
+                DECORATION_DESCRIPTOR_SET if words[i + 3] == 0 => set0.push(words[i + 1]),
+                _ => {}
+            }
+        }
+        i += count;
+    }
+    let mut targets: Vec<u32> = set0
+        .into_iter()
+        .filter(|id| binding_of.get(id).is_some_and(|b| bindings.contains(b)))
+        .collect();
+    targets.sort_unstable();
+    if targets.len() != bindings.len() {
+        return Err(format!(
+            "bindings {bindings:?}: found {} in descriptor set 0",
+            targets.len()
+        ));
+    }
+    // After the first decoration (annotations must stay together, before the types).
+    let first = {
+        let mut i = HEADER;
+        loop {
+            let (count, op) = ((words[i] >> 16) as usize, words[i] & 0xffff);
+            if op == OP_DECORATE {
+                break i;
+            }
+            i += count;
+            if i >= words.len() {
+                return Err("no decorations".into());
+            }
+        }
+    };
+    let added: Vec<u32> = targets
+        .iter()
+        .flat_map(|id| [(3 << 16) | OP_DECORATE, *id, DECORATION_COHERENT])
+        .collect();
+    words.splice(first..first, added);
+    Ok(())
+}
+
 /// Whether the module's `OpMemoryModel` is the Vulkan one.
 fn declares_vulkan_model(words: &[u32]) -> bool {
     let mut i = 5;
@@ -253,6 +338,10 @@ const OP_TYPE_INT: u32 = 21;
 const OP_CONSTANT: u32 = 43;
 const OP_FUNCTION: u32 = 54;
 const OP_CONTROL_BARRIER: u32 = 224;
+const OP_DECORATE: u32 = 71;
+const DECORATION_COHERENT: u32 = 23;
+const DECORATION_BINDING: u32 = 33;
+const DECORATION_DESCRIPTOR_SET: u32 = 34;
 const SCOPE_WORKGROUP: u32 = 2;
 /// AcquireRelease (0x8) | WorkgroupMemory (0x100).
 const WORKGROUP_ACQUIRE_RELEASE: u32 = 0x108;
