@@ -245,13 +245,8 @@ impl Chained {
         let Some(sync) = ctx.chain_sync() else {
             return Ok(None);
         };
-        let pad = std::env::var("SMOE_OVERLAP_PAD")
-            .ok()
-            .and_then(|v| v.parse::<u32>().ok())
-            .unwrap_or(1)
-            .max(1);
         let mut constants = constants.to_vec();
-        constants.push(("CHAIN_PAD", pad as f64));
+        constants.push(("CHAIN_PAD", sync.pad as f64));
         let pipeline = ctx.pipeline_unfenced(name, &constants)?;
         let step = ctx.uniform(
             "chain step",
@@ -278,6 +273,8 @@ impl Chained {
 pub(crate) struct ChainSync {
     buf: wgpu::Buffer,
     reset: Dispatch,
+    /// Every twin's `CHAIN_PAD` (`SMOE_OVERLAP_PAD`, read once).
+    pad: u32,
 }
 
 impl ChainSync {
@@ -296,7 +293,12 @@ impl ChainSync {
             &[Binding::whole(&buf)],
             [1, 1, 1],
         )?;
-        Ok(ChainSync { buf, reset })
+        let pad = std::env::var("SMOE_OVERLAP_PAD")
+            .ok()
+            .and_then(|v| v.parse::<u32>().ok())
+            .unwrap_or(1)
+            .max(1);
+        Ok(ChainSync { buf, reset, pad })
     }
 
     /// Workgroups that gave up waiting since the context was opened (each ran without knowing

@@ -470,14 +470,13 @@ impl GpuContext {
                 msg,
             };
             let parsed = self.parsed(kernel).map_err(fail)?;
-            let words = parsed
+            let mut words = parsed
                 .compile(
                     constants,
                     self.info.bounds_checks,
                     self.info.exec_barriers.covers(parsed.cooperative),
                 )
                 .map_err(fail)?;
-            let mut words = words;
             if super::chain::base_name(kernel).is_some() {
                 let coherent = parsed.storage_bindings_except(super::chain::WEIGHT_BINDINGS);
                 super::spirv::coherent_bindings(&mut words, &coherent).map_err(fail)?;

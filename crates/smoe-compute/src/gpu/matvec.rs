@@ -789,13 +789,12 @@ impl MatVec {
 
     /// Records the product, launched as `launch` says.
     pub fn record_with(&self, pass: &mut wgpu::ComputePass<'_>, launch: &mut Launch) {
-        for (i, (_, groups)) in self.parts.iter().enumerate() {
-            if !launch.chain(pass, self.chained.get(i), *groups) {
-                break;
+        // Twins come for every part or none: the first decides.
+        if launch.chain(pass, self.chained.first(), self.parts[0].1) {
+            for ((_, groups), twin) in self.parts.iter().zip(&self.chained).skip(1) {
+                launch.chain(pass, Some(twin), *groups);
             }
-            if i + 1 == self.parts.len() {
-                return;
-            }
+            return;
         }
         pass.set_pipeline(&self.pipeline);
         for (bind, groups) in &self.parts {

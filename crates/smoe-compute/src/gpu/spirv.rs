@@ -50,7 +50,8 @@ impl Parsed {
             .position(|e| e.name == "main")
             .ok_or("no entry point named main")?;
         let uses = info.get_entry_point(main);
-        let mut bindings: Vec<KernelBinding> = module
+        // Group 0's bindings that `main` uses, with their names.
+        let mut named: Vec<(KernelBinding, String)> = module
             .global_variables
             .iter()
             .filter(|(h, _)| !uses[*h].is_empty())
@@ -63,24 +64,20 @@ impl Parsed {
                     }
                     _ => return None,
                 };
-                Some(KernelBinding {
+                let kb = KernelBinding {
                     binding: b.binding,
                     uniform,
                     read_only,
-                })
+                };
+                Some((kb, g.name.clone().unwrap_or_default()))
             })
             .collect();
-        bindings.sort_by_key(|b| b.binding);
-        let storage_names = module
-            .global_variables
-            .iter()
-            .filter(|(h, g)| {
-                !uses[*h].is_empty() && matches!(g.space, naga::AddressSpace::Storage { .. })
-            })
-            .filter_map(|(_, g)| {
-                let b = g.binding.as_ref().filter(|b| b.group == 0)?;
-                Some((b.binding, g.name.clone().unwrap_or_default()))
-            })
+        named.sort_by_key(|(b, _)| b.binding);
+        let bindings = named.iter().map(|(b, _)| *b).collect();
+        let storage_names = named
+            .into_iter()
+            .filter(|(b, _)| !b.uniform)
+            .map(|(b, n)| (b.binding, n))
             .collect();
         let cooperative = module
             .types
