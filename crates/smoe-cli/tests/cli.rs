@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use smoe_fixtures::ScratchDir;
 
 fn smoe(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_smoe"))
@@ -37,11 +38,8 @@ fn assert_one_line_error(out: &Output, needle: &str) {
     assert!(!err.contains("panicked"), "panic: {err}");
 }
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("smoe-cli-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+fn tmp(name: &str) -> ScratchDir {
+    ScratchDir::new(name).unwrap()
 }
 
 #[test]
@@ -256,7 +254,7 @@ fn inspect_lists_tensors_and_verifies() {
 }
 
 /// A copy of the tiny-tied fixture checkpoint whose config.json is edited by `edit`.
-fn broken_checkpoint(name: &str, edit: impl FnOnce(&mut serde_json::Value)) -> PathBuf {
+fn broken_checkpoint(name: &str, edit: impl FnOnce(&mut serde_json::Value)) -> ScratchDir {
     let src = smoe_fixtures::checkpoint("tiny-tied").unwrap();
     let d = tmp(name);
     for e in std::fs::read_dir(&src).unwrap() {

@@ -327,9 +327,7 @@ fn gpu_streaming_preloads_from_the_saved_profile() {
     if !have_gpu() {
         return;
     }
-    let d = std::env::temp_dir().join(format!("smoe-gpu-cli-{}-profile", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
+    let d = smoe_fixtures::ScratchDir::new("gpu-profile").unwrap();
     let vault = d.join("demo.smoe");
     let demo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/demo-qwen3-moe.smoe");
     std::fs::copy(demo, &vault).unwrap();

@@ -39,6 +39,46 @@ pub fn fixtures_dir() -> PathBuf {
     PathBuf::from(FIXTURES_DIR)
 }
 
+/// An empty directory of a test's own under the temp dir, removed with everything in it when
+/// dropped (tests run in parallel: the name carries the process id and a per-process counter).
+pub struct ScratchDir(PathBuf);
+
+impl ScratchDir {
+    pub fn new(name: &str) -> io::Result<Self> {
+        static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let d = std::env::temp_dir().join(format!("smoe-scratch-{}-{n}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d)?;
+        Ok(ScratchDir(d))
+    }
+}
+
+impl std::ops::Deref for ScratchDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for ScratchDir {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for ScratchDir {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.0.as_os_str()
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// `tests/fixtures/tokenizer`: tokenizer.json, tokenizer_config.json, generation_config.json and
 /// reference.json (encodings and chat-template renderings by transformers).
 pub fn tokenizer_dir() -> PathBuf {

@@ -70,8 +70,7 @@ fn regenerated_files_match_reference_hashes() {
 
 #[test]
 fn write_checkpoint_writes_those_files() {
-    let dir = std::env::temp_dir().join(format!("smoe-fixtures-test-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = crate::ScratchDir::new("write-checkpoint").unwrap();
     write_checkpoint("tiny-dense-mix", &dir).unwrap();
     let meta = reference("tiny-dense-mix").meta;
     let mut listed: Vec<String> = std::fs::read_dir(&dir)

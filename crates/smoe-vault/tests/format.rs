@@ -180,12 +180,28 @@ fn full_disk_is_reported_as_such() {
     assert!(e.to_string().contains("disk full"), "{e}");
 }
 
-fn tempdir() -> std::path::PathBuf {
+/// A directory of the calling test's own, removed when dropped.
+struct TempDir(std::path::PathBuf);
+
+impl std::ops::Deref for TempDir {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn tempdir() -> TempDir {
     let d = std::env::temp_dir().join(format!(
         "smoe-format-{}-{:?}",
         std::process::id(),
         std::thread::current().id()
     ));
     std::fs::create_dir_all(&d).unwrap();
-    d
+    TempDir(d)
 }
