@@ -1,9 +1,9 @@
 //! The `smoe` binary as users and scripts call it: spellings, JSON shapes, and one-line errors
 //! with a non-zero exit for bad input.
 
+use smoe_fixtures::ScratchDir;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use smoe_fixtures::ScratchDir;
 
 fn smoe(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_smoe"))

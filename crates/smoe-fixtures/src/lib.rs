@@ -47,7 +47,8 @@ impl ScratchDir {
     pub fn new(name: &str) -> io::Result<Self> {
         static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let d = std::env::temp_dir().join(format!("smoe-scratch-{}-{n}-{name}", std::process::id()));
+        let d =
+            std::env::temp_dir().join(format!("smoe-scratch-{}-{n}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d)?;
         Ok(ScratchDir(d))

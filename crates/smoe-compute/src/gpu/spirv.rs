@@ -184,6 +184,35 @@ pub fn kernel_spirv(
     Ok((parsed.compile(constants, false, exec)?, parsed.bindings))
 }
 
+/// The instructions of a SPIR-V module after its 5-word header: each one's word offset and its
+/// words (the first holds its word count and opcode). Fails on a wrong magic number or an
+/// instruction whose word count is 0 or runs past the end, so no rewrite below works on a
+/// module it misreads.
+fn instructions(words: &[u32]) -> Result<Vec<(usize, &[u32])>, String> {
+    if words.len() < HEADER || words[0] != 0x0723_0203 {
+        return Err("not a SPIR-V module".into());
+    }
+    let mut out = vec![];
+    let mut i = HEADER;
+    while i < words.len() {
+        let count = (words[i] >> 16) as usize;
+        if count == 0 || i + count > words.len() {
+            return Err(format!("malformed SPIR-V instruction at word {i}"));
+        }
+        out.push((i, &words[i..i + count]));
+        i += count;
+    }
+    Ok(out)
+}
+
+/// An instruction's opcode.
+fn opcode(inst: &[u32]) -> u32 {
+    inst[0] & 0xffff
+}
+
+/// Words of a SPIR-V module's header.
+const HEADER: usize = 5;
+
 /// Rewrites every `OpControlBarrier` of naga's `workgroupBarrier()` (memory scope Workgroup,
 /// semantics AcquireRelease | WorkgroupMemory) to an execution barrier with memory semantics
 /// None, through a new u32 constant 0. Barriers that also order storage buffers
@@ -200,53 +229,41 @@ pub fn kernel_spirv(
 /// with semantics None relied on for years. Used only where `GpuInfo::exec_barriers` says so
 /// (NVIDIA's own driver), where the GPU tests check the GEMM against the CPU.
 pub fn execution_only_barriers(words: &mut Vec<u32>) -> Result<(), String> {
-    const HEADER: usize = 5;
-    if words.len() < HEADER || words[0] != 0x0723_0203 {
-        return Err("not a SPIR-V module".into());
-    }
+    let insts = instructions(words)?;
     let mut u32_type = None;
-    let mut first_function = None;
     // id → (type, value) of every one-word constant.
     let mut values = std::collections::HashMap::new();
-    let mut i = HEADER;
-    while i < words.len() {
-        let (count, op) = ((words[i] >> 16) as usize, words[i] & 0xffff);
-        if count == 0 || i + count > words.len() {
-            return Err(format!("malformed SPIR-V instruction at word {i}"));
+    for (_, inst) in &insts {
+        match (opcode(inst), inst.len()) {
+            (OP_TYPE_INT, 4) if inst[2] == 32 && inst[3] == 0 => u32_type = Some(inst[1]),
+            (OP_CONSTANT, 4) => {
+                values.insert(inst[2], (inst[1], inst[3]));
+            }
+            _ => {}
         }
-        if op == OP_TYPE_INT && count == 4 && words[i + 2] == 32 && words[i + 3] == 0 {
-            u32_type = Some(words[i + 1]);
-        }
-        if op == OP_CONSTANT && count == 4 {
-            values.insert(words[i + 2], (words[i + 1], words[i + 3]));
-        }
-        if op == OP_FUNCTION && first_function.is_none() {
-            first_function = Some(i);
-        }
-        i += count;
     }
-    let (ty, at) = match (u32_type, first_function) {
+    let first_function = insts
+        .iter()
+        .position(|(_, inst)| opcode(inst) == OP_FUNCTION);
+    let (ty, first) = match (u32_type, first_function) {
         (Some(t), Some(f)) => (t, f),
         _ => return Err("no u32 type, or no function to place a constant before".into()),
     };
     let zero = words[3];
     let mut out = words[..HEADER].to_vec();
     out[3] = zero + 1;
-    out.extend_from_slice(&words[HEADER..at]);
+    out.extend_from_slice(&words[HEADER..insts[first].0]);
     out.extend_from_slice(&[(4 << 16) | OP_CONSTANT, ty, zero, 0]);
     let value = |id: u32| values.get(&id).filter(|(t, _)| *t == ty).map(|(_, v)| *v);
-    let mut i = at;
-    while i < words.len() {
-        let (count, op) = ((words[i] >> 16) as usize, words[i] & 0xffff);
+    for (_, inst) in &insts[first..] {
         let start = out.len();
-        out.extend_from_slice(&words[i..i + count]);
-        if op == OP_CONTROL_BARRIER
-            && value(words[i + 2]) == Some(SCOPE_WORKGROUP)
-            && value(words[i + 3]) == Some(WORKGROUP_ACQUIRE_RELEASE)
+        out.extend_from_slice(inst);
+        if opcode(inst) == OP_CONTROL_BARRIER
+            && value(inst[2]) == Some(SCOPE_WORKGROUP)
+            && value(inst[3]) == Some(WORKGROUP_ACQUIRE_RELEASE)
         {
             out[start + 3] = zero;
         }
-        i += count;
     }
     *words = out;
     Ok(())
@@ -258,28 +275,19 @@ pub fn execution_only_barriers(words: &mut Vec<u32>) -> Result<(), String> {
 /// inputs other dispatches write while they may already run. Fails unless each binding was
 /// found.
 pub fn coherent_bindings(words: &mut Vec<u32>, bindings: &[u32]) -> Result<(), String> {
-    const HEADER: usize = 5;
-    if words.len() < HEADER || words[0] != 0x0723_0203 {
-        return Err("not a SPIR-V module".into());
-    }
+    let insts = instructions(words)?;
     // id → binding, for variables in descriptor set 0.
     let (mut binding_of, mut set0) = (std::collections::HashMap::new(), vec![]);
-    let mut i = HEADER;
-    while i < words.len() {
-        let (count, op) = ((words[i] >> 16) as usize, words[i] & 0xffff);
-        if count == 0 || i + count > words.len() {
-            return Err(format!("malformed SPIR-V instruction at word {i}"));
-        }
-        if op == OP_DECORATE && count == 4 {
-            match words[i + 2] {
+    for (_, inst) in &insts {
+        if opcode(inst) == OP_DECORATE && inst.len() == 4 {
+            match inst[2] {
                 DECORATION_BINDING => {
-                    binding_of.insert(words[i + 1], words[i + 3]);
+                    binding_of.insert(inst[1], inst[3]);
                 }
-                DECORATION_DESCRIPTOR_SET if words[i + 3] == 0 => set0.push(words[i + 1]),
+                DECORATION_DESCRIPTOR_SET if inst[3] == 0 => set0.push(inst[1]),
                 _ => {}
             }
         }
-        i += count;
     }
     let mut targets: Vec<u32> = set0
         .into_iter()
@@ -293,19 +301,11 @@ pub fn coherent_bindings(words: &mut Vec<u32>, bindings: &[u32]) -> Result<(), S
         ));
     }
     // After the first decoration (annotations must stay together, before the types).
-    let first = {
-        let mut i = HEADER;
-        loop {
-            let (count, op) = ((words[i] >> 16) as usize, words[i] & 0xffff);
-            if op == OP_DECORATE {
-                break i;
-            }
-            i += count;
-            if i >= words.len() {
-                return Err("no decorations".into());
-            }
-        }
-    };
+    let first = insts
+        .iter()
+        .find(|(_, inst)| opcode(inst) == OP_DECORATE)
+        .map(|(at, _)| *at)
+        .ok_or("no decorations")?;
     let added: Vec<u32> = targets
         .iter()
         .flat_map(|id| [(3 << 16) | OP_DECORATE, *id, DECORATION_COHERENT])
@@ -316,18 +316,12 @@ pub fn coherent_bindings(words: &mut Vec<u32>, bindings: &[u32]) -> Result<(), S
 
 /// Whether the module's `OpMemoryModel` is the Vulkan one.
 fn declares_vulkan_model(words: &[u32]) -> bool {
-    let mut i = 5;
-    while i < words.len() {
-        let (count, op) = ((words[i] >> 16) as usize, words[i] & 0xffff);
-        if op == OP_MEMORY_MODEL {
-            return words.get(i + 2) == Some(&MEMORY_MODEL_VULKAN);
-        }
-        if count == 0 {
-            return false;
-        }
-        i += count;
-    }
-    false
+    instructions(words).is_ok_and(|insts| {
+        insts
+            .iter()
+            .find(|(_, inst)| opcode(inst) == OP_MEMORY_MODEL)
+            .is_some_and(|(_, inst)| inst.get(2) == Some(&MEMORY_MODEL_VULKAN))
+    })
 }
 
 const OP_EXTENSION: u32 = 10;
@@ -353,21 +347,10 @@ const MEMORY_MODEL_VULKAN: u32 = 3;
 /// `VulkanMemoryModel` capabilities and extension and changes `OpMemoryModel`. Fails (rather
 /// than hand the driver something half-patched) unless there was exactly one such declaration.
 pub fn use_glsl450_memory_model(words: &mut Vec<u32>) -> Result<(), String> {
-    const HEADER: usize = 5;
-    if words.len() < HEADER || words[0] != 0x0723_0203 {
-        return Err("not a SPIR-V module".into());
-    }
-    let mut out = words[..HEADER].to_vec();
+    let mut out = words[..HEADER.min(words.len())].to_vec();
     let mut models = 0;
-    let mut i = HEADER;
-    while i < words.len() {
-        let (count, op) = ((words[i] >> 16) as usize, words[i] & 0xffff);
-        if count == 0 || i + count > words.len() {
-            return Err(format!("malformed SPIR-V instruction at word {i}"));
-        }
-        let inst = &words[i..i + count];
-        i += count;
-        match op {
+    for (_, inst) in instructions(words)? {
+        match opcode(inst) {
             OP_CAPABILITY
                 if matches!(
                     inst[1],
@@ -409,15 +392,12 @@ mod tests {
     use super::*;
 
     /// (opcode, first operand) of every instruction after the header.
-    fn instructions(words: &[u32]) -> Vec<(u32, Vec<u32>)> {
-        let mut v = vec![];
-        let mut i = 5;
-        while i < words.len() {
-            let count = (words[i] >> 16) as usize;
-            v.push((words[i] & 0xffff, words[i + 1..i + count].to_vec()));
-            i += count;
-        }
-        v
+    fn ops(words: &[u32]) -> Vec<(u32, Vec<u32>)> {
+        instructions(words)
+            .unwrap()
+            .into_iter()
+            .map(|(_, inst)| (opcode(inst), inst[1..].to_vec()))
+            .collect()
     }
 
     /// The experts' gate_up GEMM (q4, 48-token tiles) as the engine compiles it.
@@ -438,7 +418,7 @@ mod tests {
     #[test]
     fn the_coop_gemm_leaves_the_vulkan_memory_model() {
         let words = gated_gemm(false);
-        let inst = instructions(&words);
+        let inst = ops(&words);
         let model: Vec<_> = inst.iter().filter(|i| i.0 == OP_MEMORY_MODEL).collect();
         assert_eq!(model.len(), 1);
         assert_eq!(model[0].1, vec![0, MEMORY_MODEL_GLSL450]);
@@ -469,7 +449,7 @@ mod tests {
     /// u32 constant 0, declared before the first function under a raised id bound; nothing else
     /// changes; and a module that is not SPIR-V is refused.
     fn u32_type_of(words: &[u32]) -> u32 {
-        instructions(words)
+        ops(words)
             .into_iter()
             .find(|i| i.0 == OP_TYPE_INT && i.1[1..] == [32, 0])
             .map(|i| i.1[0])
@@ -481,7 +461,7 @@ mod tests {
         let (before, after) = (gated_gemm(false), gated_gemm(true));
         assert_eq!(after[3], before[3] + 1, "id bound");
         let zero = before[3];
-        let (b, a) = (instructions(&before), instructions(&after));
+        let (b, a) = (ops(&before), ops(&after));
         assert_eq!(a.len(), b.len() + 1);
         let u32_type = b
             .iter()
@@ -519,16 +499,16 @@ mod tests {
         let mut after = before.clone();
         execution_only_barriers(&mut after).unwrap();
         let constant = |words: &[u32], id: u32| {
-            instructions(words)
+            ops(words)
                 .into_iter()
                 .find(|i| i.0 == OP_CONSTANT && i.1.len() == 3 && i.1[1] == id)
                 .map(|i| i.1[2])
         };
         let (mut kept, mut cleared) = (0, 0);
-        for ((_, x), (_, y)) in instructions(&before)
+        for ((_, x), (_, y)) in ops(&before)
             .into_iter()
             .zip(
-                instructions(&after)
+                ops(&after)
                     .into_iter()
                     .filter(|i| i.1 != [u32_type_of(&after), after[3] - 1, 0]),
             )
@@ -590,7 +570,7 @@ mod tests {
         assert!(b.iter().any(|x| !x.uniform && !x.read_only), "{b:?}");
         assert!(b.iter().any(|x| !x.uniform && x.read_only), "{b:?}");
         let model = |w: &[u32]| {
-            let inst = instructions(w);
+            let inst = ops(w);
             inst.iter()
                 .find(|i| i.0 == OP_MEMORY_MODEL)
                 .unwrap()
