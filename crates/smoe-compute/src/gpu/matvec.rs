@@ -19,6 +19,19 @@ pub struct WeightRef<'a> {
     pub cols: usize,
 }
 
+impl<'a> WeightRef<'a> {
+    /// A matrix at the start of `buffer`.
+    pub fn whole(buffer: &'a wgpu::Buffer, dtype: DType, rows: usize, cols: usize) -> Self {
+        WeightRef {
+            buffer,
+            offset: 0,
+            dtype,
+            rows,
+            cols,
+        }
+    }
+}
+
 /// Grouped dispatch: slot `s` multiplies by matrix `ids[s]` of a stack of `n_mats` matrices
 /// spaced `mat_stride` bytes apart (an expert section: `WeightRef::offset` is expert 0's tensor,
 /// `mat_stride` the blob stride). `ids` holds u32s, e.g. the router's top-k expert ids.
@@ -50,6 +63,21 @@ pub struct MatVecDesc<'a> {
     pub y: BufRef<'a>,
     pub n_tokens: usize,
     pub grouped: Option<Grouped<'a>>,
+}
+
+impl<'a> MatVecDesc<'a> {
+    /// A plain product `y = W·x` of `n_tokens` tokens: not gated, not grouped (set `up_offset`
+    /// or `grouped` on it for those).
+    pub fn plain(w: WeightRef<'a>, x: BufRef<'a>, y: BufRef<'a>, n_tokens: usize) -> Self {
+        MatVecDesc {
+            w,
+            up_offset: None,
+            x,
+            y,
+            n_tokens,
+            grouped: None,
+        }
+    }
 }
 
 /// Work fused into a matrix product, saving the dependent dispatches it would otherwise take

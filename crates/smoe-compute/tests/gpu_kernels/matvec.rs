@@ -185,18 +185,13 @@ fn matvec_gated_is_silu_gate_times_up() {
             let mv = MatVec::new(
                 ctx,
                 &MatVecDesc {
-                    w: WeightRef {
-                        buffer: &wbuf,
-                        offset: 0,
-                        dtype,
-                        rows,
-                        cols,
-                    },
                     up_offset: Some(g.len() as u64),
-                    x: BufRef::new(&xbuf),
-                    y: BufRef::new(&ybuf),
-                    n_tokens: nt,
-                    grouped: None,
+                    ..MatVecDesc::plain(
+                        WeightRef::whole(&wbuf, dtype, rows, cols),
+                        BufRef::new(&xbuf),
+                        BufRef::new(&ybuf),
+                        nt,
+                    )
                 },
             )
             .unwrap();
@@ -259,18 +254,13 @@ fn matvec_grouped_picks_matrices_by_id() {
             let mv = MatVec::new(
                 ctx,
                 &MatVecDesc {
-                    w: WeightRef {
-                        buffer: &wbuf,
-                        offset: 0,
-                        dtype,
-                        rows,
-                        cols,
-                    },
-                    up_offset: None,
-                    x: BufRef::new(&xbuf),
-                    y: BufRef::new(&ybuf),
-                    n_tokens: 1,
                     grouped: Some(grouped),
+                    ..MatVecDesc::plain(
+                        WeightRef::whole(&wbuf, dtype, rows, cols),
+                        BufRef::new(&xbuf),
+                        BufRef::new(&ybuf),
+                        1,
+                    )
                 },
             )
             .unwrap();
@@ -337,20 +327,12 @@ fn matvec_q4_int8_activations() {
         let wbuf = ctx.upload("w", &q);
         let xbuf = ctx.upload_f32("x", &x);
         let ybuf = nan_buffer(ctx, "y", nt * rows);
-        let desc = MatVecDesc {
-            w: WeightRef {
-                buffer: &wbuf,
-                offset: 0,
-                dtype: DType::Q4,
-                rows,
-                cols,
-            },
-            up_offset: None,
-            x: BufRef::new(&xbuf),
-            y: BufRef::new(&ybuf),
-            n_tokens: nt,
-            grouped: None,
-        };
+        let desc = MatVecDesc::plain(
+            WeightRef::whole(&wbuf, DType::Q4, rows, cols),
+            BufRef::new(&xbuf),
+            BufRef::new(&ybuf),
+            nt,
+        );
         let mv = MatVec::with_tuning(ctx, &desc, tune).unwrap();
         let mut enc = ctx.encoder();
         mv.encode(&mut enc);
@@ -399,18 +381,13 @@ fn matvec_fused_norm_accumulate_reduce() {
             let nbuf = ctx.upload_f32("norm", &nw);
             let ybuf = ctx.upload_f32("y", &y0);
             let desc = MatVecDesc {
-                w: WeightRef {
-                    buffer: &wbuf,
-                    offset: 0,
-                    dtype,
-                    rows,
-                    cols,
-                },
                 up_offset: gated.then_some(g.len() as u64),
-                x: BufRef::new(&xbuf),
-                y: BufRef::new(&ybuf),
-                n_tokens: nt,
-                grouped: None,
+                ..MatVecDesc::plain(
+                    WeightRef::whole(&wbuf, dtype, rows, cols),
+                    BufRef::new(&xbuf),
+                    BufRef::new(&ybuf),
+                    nt,
+                )
             };
             // The normed inputs are also written out (at an offset, after poison).
             let hbuf = nan_buffer(ctx, "hn", 16 + nt * cols);
@@ -485,17 +462,6 @@ fn matvec_fused_norm_accumulate_reduce() {
             let xbuf = ctx.upload_f32("x", &x);
             let ybuf = ctx.upload_f32("y", &y0);
             let desc = MatVecDesc {
-                w: WeightRef {
-                    buffer: &wbuf,
-                    offset: 0,
-                    dtype,
-                    rows,
-                    cols,
-                },
-                up_offset: None,
-                x: BufRef::new(&xbuf),
-                y: BufRef::new(&ybuf),
-                n_tokens: 1,
                 grouped: Some(Grouped {
                     ids: &idbuf,
                     ids_offset: 0,
@@ -505,6 +471,12 @@ fn matvec_fused_norm_accumulate_reduce() {
                     x_per_slot: true,
                     slots_per_x: 1,
                 }),
+                ..MatVecDesc::plain(
+                    WeightRef::whole(&wbuf, dtype, rows, cols),
+                    BufRef::new(&xbuf),
+                    BufRef::new(&ybuf),
+                    1,
+                )
             };
             let fuse = Fuse {
                 norm: None,
@@ -585,17 +557,7 @@ fn matvec_grouped_gated_with_norm() {
         let nbuf = ctx.upload_f32("norm", &nw);
         let ybuf = nan_buffer(ctx, "y", ids.len() * rows);
         let desc = MatVecDesc {
-            w: WeightRef {
-                buffer: &wbuf,
-                offset: 0,
-                dtype,
-                rows,
-                cols,
-            },
             up_offset: Some(size as u64),
-            x: BufRef::new(&xbuf),
-            y: BufRef::new(&ybuf),
-            n_tokens: 1,
             grouped: Some(Grouped {
                 ids: &idbuf,
                 ids_offset: 0,
@@ -605,6 +567,12 @@ fn matvec_grouped_gated_with_norm() {
                 x_per_slot: true,
                 slots_per_x: k,
             }),
+            ..MatVecDesc::plain(
+                WeightRef::whole(&wbuf, dtype, rows, cols),
+                BufRef::new(&xbuf),
+                BufRef::new(&ybuf),
+                1,
+            )
         };
         let fuse = Fuse {
             norm: Some((BufRef::new(&nbuf), 1e-5)),

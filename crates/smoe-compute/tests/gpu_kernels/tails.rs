@@ -60,20 +60,12 @@ fn route_tail_matches_cpu_top_k() {
         // Ids and weights after 8 values of poison, to exercise the offsets.
         let ibuf = ctx.upload("ids", &vec![0xFFu8; 4 * (8 + k * nt)]);
         let rbuf = nan_buffer(ctx, "weights", 8 + k * nt);
-        let desc = MatVecDesc {
-            w: WeightRef {
-                buffer: &wbuf,
-                offset: 0,
-                dtype,
-                rows: n_exp,
-                cols,
-            },
-            up_offset: None,
-            x: BufRef::new(&xbuf),
-            y: BufRef::new(&ybuf),
-            n_tokens: nt,
-            grouped: None,
-        };
+        let desc = MatVecDesc::plain(
+            WeightRef::whole(&wbuf, dtype, n_exp, cols),
+            BufRef::new(&xbuf),
+            BufRef::new(&ybuf),
+            nt,
+        );
         let fuse = Fuse {
             norm: Some((BufRef::new(&nbuf), eps)),
             norm_out: Some(BufRef::new(&hbuf)),
@@ -168,17 +160,6 @@ fn sum_tail_matches_cpu_weighted_sum() {
             ah.extend_from_slice(&acc0);
             let abuf = ctx.upload_f32("acc", &ah);
             let desc = MatVecDesc {
-                w: WeightRef {
-                    buffer: &wbuf,
-                    offset: 0,
-                    dtype,
-                    rows,
-                    cols,
-                },
-                up_offset: None,
-                x: BufRef::new(&xbuf),
-                y: BufRef::new(&ybuf),
-                n_tokens: 1,
                 grouped: Some(Grouped {
                     ids: &idbuf,
                     ids_offset: 0,
@@ -188,6 +169,12 @@ fn sum_tail_matches_cpu_weighted_sum() {
                     x_per_slot: true,
                     slots_per_x: 1,
                 }),
+                ..MatVecDesc::plain(
+                    WeightRef::whole(&wbuf, dtype, rows, cols),
+                    BufRef::new(&xbuf),
+                    BufRef::new(&ybuf),
+                    1,
+                )
             };
             let fuse = Fuse {
                 sum_into: Some(SumTail {
@@ -272,20 +259,12 @@ fn next_route_tail_matches_cpu_router() {
         let hbuf = nan_buffer(ctx, "hn", rows);
         let ibuf = ctx.upload("ids", &vec![0xFFu8; 4 * (8 + k)]);
         let wtbuf = nan_buffer(ctx, "weights", 8 + k);
-        let desc = MatVecDesc {
-            w: WeightRef {
-                buffer: &wbuf,
-                offset: 0,
-                dtype,
-                rows,
-                cols,
-            },
-            up_offset: None,
-            x: BufRef::new(&xbuf),
-            y: BufRef::new(&ybuf),
-            n_tokens: 1,
-            grouped: None,
-        };
+        let desc = MatVecDesc::plain(
+            WeightRef::whole(&wbuf, dtype, rows, cols),
+            BufRef::new(&xbuf),
+            BufRef::new(&ybuf),
+            1,
+        );
         let fuse = Fuse {
             accumulate: true,
             next_route: Some(NextRoute {
@@ -361,20 +340,12 @@ fn bad_tails_are_refused() {
     let xbuf = ctx.upload_f32("x", &rand_vec(cols, 2, 1.0));
     let ybuf = nan_buffer(ctx, "y", 4 * rows);
     let ids = ctx.upload("ids", &[0u8; 64]);
-    let desc = MatVecDesc {
-        w: WeightRef {
-            buffer: &wbuf,
-            offset: 0,
-            dtype: DType::Bf16,
-            rows,
-            cols,
-        },
-        up_offset: None,
-        x: BufRef::new(&xbuf),
-        y: BufRef::new(&ybuf),
-        n_tokens: 1,
-        grouped: None,
-    };
+    let desc = MatVecDesc::plain(
+        WeightRef::whole(&wbuf, DType::Bf16, rows, cols),
+        BufRef::new(&xbuf),
+        BufRef::new(&ybuf),
+        1,
+    );
     let route = |k| RouteTail {
         ids: BufRef::new(&ids),
         weights: BufRef::new(&ybuf),

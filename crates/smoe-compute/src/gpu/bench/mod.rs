@@ -764,17 +764,7 @@ fn bench_matvec(
             bytemuck::cast_slice(&ids.iter().copied().chain([0]).collect::<Vec<_>>()),
         );
         let desc = MatVecDesc {
-            w: WeightRef {
-                buffer: &wbuf,
-                offset: 0,
-                dtype,
-                rows: out_rows,
-                cols,
-            },
             up_offset: gated.then_some(out_rows as u64 * stride),
-            x: BufRef::new(&x),
-            y: BufRef::new(&y),
-            n_tokens: 1,
             grouped: grouped.then_some(Grouped {
                 ids: &idbuf,
                 ids_offset: 0,
@@ -784,6 +774,12 @@ fn bench_matvec(
                 x_per_slot: shape.down,
                 slots_per_x: 1,
             }),
+            ..MatVecDesc::plain(
+                WeightRef::whole(&wbuf, dtype, out_rows, cols),
+                BufRef::new(&x),
+                BufRef::new(&y),
+                1,
+            )
         };
         let sum = SumTail {
             acc: BufRef::new(&residual),
