@@ -1,5 +1,6 @@
 //! Writer ↔ reader round trips and the ways a vault file can be damaged.
 
+use smoe_fixtures::ScratchDir;
 use smoe_vault::config::{GenerationDefaults, ModelConfig};
 use smoe_vault::format::*;
 use smoe_vault::quant::{quantize_matrix, DType};
@@ -63,7 +64,7 @@ fn write_vault(path: &Path) -> (Vec<u8>, Vec<Vec<u8>>) {
 
 #[test]
 fn round_trip() {
-    let dir = tempdir();
+    let dir = ScratchDir::new("format").unwrap();
     let p = dir.join("a.smoe");
     let (m, blobs) = write_vault(&p);
     let v = Vault::open(&p).unwrap();
@@ -87,7 +88,7 @@ fn round_trip() {
 
 #[test]
 fn damage_is_detected() {
-    let dir = tempdir();
+    let dir = ScratchDir::new("format").unwrap();
     let p = dir.join("a.smoe");
     write_vault(&p);
     let good = std::fs::read(&p).unwrap();
@@ -178,30 +179,4 @@ fn full_disk_is_reported_as_such() {
     let e = w.add_tensor("m", DType::Bf16, &[64, 64], &m).unwrap_err();
     assert!(matches!(e, VaultError::DiskFull { .. }), "{e}");
     assert!(e.to_string().contains("disk full"), "{e}");
-}
-
-/// A directory of the calling test's own, removed when dropped.
-struct TempDir(std::path::PathBuf);
-
-impl std::ops::Deref for TempDir {
-    type Target = Path;
-    fn deref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn tempdir() -> TempDir {
-    let d = std::env::temp_dir().join(format!(
-        "smoe-format-{}-{:?}",
-        std::process::id(),
-        std::thread::current().id()
-    ));
-    std::fs::create_dir_all(&d).unwrap();
-    TempDir(d)
 }

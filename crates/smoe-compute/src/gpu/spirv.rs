@@ -347,9 +347,10 @@ const MEMORY_MODEL_VULKAN: u32 = 3;
 /// `VulkanMemoryModel` capabilities and extension and changes `OpMemoryModel`. Fails (rather
 /// than hand the driver something half-patched) unless there was exactly one such declaration.
 pub fn use_glsl450_memory_model(words: &mut Vec<u32>) -> Result<(), String> {
-    let mut out = words[..HEADER.min(words.len())].to_vec();
+    let insts = instructions(words)?;
+    let mut out = words[..HEADER].to_vec();
     let mut models = 0;
-    for (_, inst) in instructions(words)? {
+    for (_, inst) in insts {
         match opcode(inst) {
             OP_CAPABILITY
                 if matches!(
@@ -391,7 +392,7 @@ fn literal_string(words: &[u32]) -> String {
 mod tests {
     use super::*;
 
-    /// (opcode, first operand) of every instruction after the header.
+    /// (opcode, operands) of every instruction after the header.
     fn ops(words: &[u32]) -> Vec<(u32, Vec<u32>)> {
         instructions(words)
             .unwrap()

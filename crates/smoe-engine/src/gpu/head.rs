@@ -30,15 +30,10 @@ impl Head {
         let (hn, logits) = (BufRef::new(&a.hn), BufRef::new(&a.logits));
         let norm = |x: BufRef, rows| RmsNorm::new(ctx, x, BufRef::new(&w.norm), hn, h, rows, eps);
         let lm = |n_tokens| {
-            let d = MatVecDesc {
-                w: w.lm_head.w(0),
-                up_offset: None,
-                x: hn,
-                y: logits,
-                n_tokens,
-                grouped: None,
-            };
-            MatVec::new(ctx, &d)
+            MatVec::new(
+                ctx,
+                &MatVecDesc::plain(w.lm_head.w(0), hn, logits, n_tokens),
+            )
         };
         let last_row = BufRef::at(&a.x, 4 * ((n - 1) * h) as u64);
         Ok(Head {
