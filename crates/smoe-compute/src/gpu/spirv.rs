@@ -128,13 +128,19 @@ impl Parsed {
     ) -> Result<Vec<u32>, String> {
         let mut consts = naga::back::PipelineConstants::default();
         consts.extend(constants.iter().map(|(k, v)| (k.to_string(), *v)));
-        let (module, info) = naga::back::pipeline_constants::process_overrides(
-            &self.module,
-            &self.info,
-            None,
-            &consts,
-        )
-        .map_err(|e| format!("overrides: {e:?}"))?;
+        // naga's override pass has panicked on valid modules (an assertion in its arenas, with
+        // two override-sized workgroup arrays): a kernel that cannot be built is an error the
+        // caller reports, not a crash of the process.
+        let processed = std::panic::catch_unwind(|| {
+            naga::back::pipeline_constants::process_overrides(
+                &self.module,
+                &self.info,
+                None,
+                &consts,
+            )
+        })
+        .map_err(|_| "naga panicked setting the overrides".to_string())?;
+        let (module, info) = processed.map_err(|e| format!("overrides: {e:?}"))?;
         let check = match bounds_checks {
             true => naga::proc::BoundsCheckPolicy::Restrict,
             false => naga::proc::BoundsCheckPolicy::Unchecked,
