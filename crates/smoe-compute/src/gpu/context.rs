@@ -481,6 +481,8 @@ impl GpuContext {
                 let coherent = parsed.storage_bindings_except(super::chain::WEIGHT_BINDINGS);
                 super::spirv::coherent_bindings(&mut words, &coherent).map_err(fail)?;
             }
+            let bindings: Vec<u32> = parsed.bindings.iter().map(|b| b.binding).collect();
+            super::spirv::rank_bindings(&mut words, &bindings).map_err(fail)?;
             let entries: Vec<wgpu::BindGroupLayoutEntry> = parsed
                 .bindings
                 .iter()
@@ -514,8 +516,9 @@ impl GpuContext {
                     immediate_size: 0,
                 });
             // SAFETY: the words are naga's validated translation of our WGSL, changed only in the
-            // declared memory model and the barriers' semantics (spirv.rs); the layout above is
-            // the bindings its entry point uses.
+            // declared memory model, the barriers' semantics, twins' Coherent decorations and
+            // the binding numbers (ranked as wgpu's Vulkan layout numbers them; spirv.rs); the
+            // layout above is the bindings its entry point uses.
             let module = unsafe {
                 self.device.create_shader_module_passthrough(
                     wgpu::ShaderModuleDescriptorPassthrough {

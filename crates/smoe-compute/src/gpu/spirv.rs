@@ -320,6 +320,50 @@ pub fn coherent_bindings(words: &mut Vec<u32>, bindings: &[u32]) -> Result<(), S
     Ok(())
 }
 
+/// Renumbers the `Binding` decorations of descriptor set 0 to each binding's rank among
+/// `bindings` (the layout's, in any order). wgpu's Vulkan backend gives a layout entry the
+/// Vulkan binding of its position in the layout sorted by binding number, not the number
+/// itself (wgpu-hal's `create_bind_group_layout`), and remaps the modules naga compiles for it;
+/// a passthrough module must be remapped by whoever made it. Kernels whose bindings run 0..n
+/// are unchanged; the overlapped decode's twins (bindings 30 and 31 after a kernel's) are not:
+/// without this their counter and step were descriptors the layout does not have — the
+/// twins read a want of 0 and their count-ins went nowhere, so they never waited (twenty-fifth
+/// session, H100). Fails on a set-0 binding that `bindings` lacks.
+pub fn rank_bindings(words: &mut [u32], bindings: &[u32]) -> Result<(), String> {
+    let mut sorted = bindings.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let insts = instructions(words)?;
+    let set0: std::collections::HashSet<u32> = insts
+        .iter()
+        .filter(|(_, inst)| {
+            opcode(inst) == OP_DECORATE
+                && inst.len() == 4
+                && inst[2] == DECORATION_DESCRIPTOR_SET
+                && inst[3] == 0
+        })
+        .map(|(_, inst)| inst[1])
+        .collect();
+    // Where each set-0 variable's binding number sits, and the number.
+    let slots: Vec<(usize, u32)> = insts
+        .iter()
+        .filter(|(_, inst)| {
+            opcode(inst) == OP_DECORATE
+                && inst.len() == 4
+                && inst[2] == DECORATION_BINDING
+                && set0.contains(&inst[1])
+        })
+        .map(|(at, inst)| (at + 3, inst[3]))
+        .collect();
+    for (at, binding) in slots {
+        let rank = sorted
+            .binary_search(&binding)
+            .map_err(|_| format!("binding {binding} is not in the layout {sorted:?}"))?;
+        words[at] = rank as u32;
+    }
+    Ok(())
+}
+
 /// Whether the module's `OpMemoryModel` is the Vulkan one.
 fn declares_vulkan_model(words: &[u32]) -> bool {
     instructions(words).is_ok_and(|insts| {
@@ -405,6 +449,48 @@ mod tests {
             .into_iter()
             .map(|(_, inst)| (opcode(inst), inst[1..].to_vec()))
             .collect()
+    }
+
+    /// The `Binding` numbers of descriptor set 0's variables.
+    fn set0_bindings(words: &[u32]) -> Vec<u32> {
+        let inst = ops(words);
+        let set0: Vec<u32> = inst
+            .iter()
+            .filter(|(op, a)| *op == OP_DECORATE && a[1..] == [DECORATION_DESCRIPTOR_SET, 0])
+            .map(|(_, a)| a[0])
+            .collect();
+        let mut out: Vec<u32> = inst
+            .iter()
+            .filter(|(op, a)| *op == OP_DECORATE && a.len() == 3 && a[1] == DECORATION_BINDING)
+            .filter(|(_, a)| set0.contains(&a[0]))
+            .map(|(_, a)| a[2])
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// A twin's bindings (its kernel's 0..=13, then the chain's 30 and 31) become the ranks
+    /// wgpu's Vulkan layout gives them: 0..=15. A dense kernel's stay as they are; a binding
+    /// the layout lacks is refused.
+    #[test]
+    fn bindings_take_their_rank_in_the_layout() {
+        let parsed = Parsed::new(&crate::gpu::kernel_source("matvec+chain").unwrap()).unwrap();
+        let bindings: Vec<u32> = parsed.bindings.iter().map(|b| b.binding).collect();
+        let mut words = parsed.compile(&[], false, true).unwrap();
+        let before = set0_bindings(&words);
+        assert_eq!(before.last(), Some(&31), "{before:?}");
+        rank_bindings(&mut words, &bindings).unwrap();
+        let n = bindings.len() as u32;
+        assert_eq!(set0_bindings(&words), (0..n).collect::<Vec<_>>());
+        assert!(instructions(&words).is_ok());
+
+        let parsed = Parsed::new(&crate::gpu::kernel_source("matvec").unwrap()).unwrap();
+        let bindings: Vec<u32> = parsed.bindings.iter().map(|b| b.binding).collect();
+        let mut words = parsed.compile(&[], false, true).unwrap();
+        let dense = words.clone();
+        rank_bindings(&mut words, &bindings).unwrap();
+        assert_eq!(words, dense);
+        assert!(rank_bindings(&mut words, &bindings[1..]).is_err());
     }
 
     /// The experts' gate_up GEMM (q4, 48-token tiles) as the engine compiles it.
