@@ -261,6 +261,9 @@ impl Chained {
 pub(crate) struct ChainSync {
     buf: wgpu::Buffer,
     reset: Dispatch,
+    /// Experiment (session 25): dispatches of more workgroups run ordinary
+    /// (`SMOE_OVERLAP_MAX_GROUPS`, unlimited by default).
+    pub(crate) max_groups: u32,
 }
 
 impl ChainSync {
@@ -279,7 +282,15 @@ impl ChainSync {
             &[Binding::whole(&buf)],
             [1, 1, 1],
         )?;
-        Ok(ChainSync { buf, reset })
+        let max_groups = std::env::var("SMOE_OVERLAP_MAX_GROUPS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(u32::MAX);
+        Ok(ChainSync {
+            buf,
+            reset,
+            max_groups,
+        })
     }
 
     /// Workgroups that gave up waiting since the context was opened (each ran without knowing
@@ -321,7 +332,11 @@ impl<'a> ChainCursor<'a> {
         pass: &mut wgpu::ComputePass<'_>,
         c: &Chained,
         [x, y, z]: [u32; 3],
-    ) {
+    ) -> bool {
+        if x * y * z > self.sync.max_groups {
+            self.fenced(pass);
+            return false;
+        }
         if self.fresh {
             self.reset(pass);
         }
@@ -339,6 +354,7 @@ impl<'a> ChainCursor<'a> {
         pass.set_bind_group(0, &c.bind, &[]);
         pass.dispatch_workgroups(x, y, z);
         self.total += x * y * z;
+        true
     }
 
     /// Before an ordinary dispatch (one that follows chained ones must wait for them) and at

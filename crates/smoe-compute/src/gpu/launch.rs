@@ -98,10 +98,7 @@ impl Launch<'_> {
             return false;
         };
         match twin {
-            Some(t) => {
-                c.chained(pass, t, groups);
-                true
-            }
+            Some(t) => c.chained(pass, t, groups),
             None => {
                 c.fenced(pass);
                 false

@@ -817,15 +817,11 @@ impl MatVec {
 
     /// Records the product, launched as `launch` says.
     pub fn record_with(&self, pass: &mut wgpu::ComputePass<'_>, launch: &mut Launch) {
-        // Twins come for every part or none: the first decides.
-        if launch.chain(pass, self.chained.first(), self.parts[0].1) {
-            for ((_, groups), twin) in self.parts.iter().zip(&self.chained).skip(1) {
-                launch.chain(pass, Some(twin), *groups);
+        for (i, (bind, groups)) in self.parts.iter().enumerate() {
+            if launch.chain(pass, self.chained.get(i), *groups) {
+                continue;
             }
-            return;
-        }
-        pass.set_pipeline(&self.pipeline);
-        for (bind, groups) in &self.parts {
+            pass.set_pipeline(&self.pipeline);
             pass.set_bind_group(0, bind, &[]);
             launch.dispatch(pass, *groups);
         }
