@@ -218,8 +218,6 @@ pub struct GpuContext {
     pipelines: Mutex<HashMap<PipelineKey, wgpu::ComputePipeline>>,
     /// Why the matrix units were turned off after opening (a kernel that failed to build).
     matrix_units_off: Mutex<Option<String>>,
-    /// Overlapped decode's counter (`chain.rs`), made on first use where the mode is on.
-    chain: std::sync::OnceLock<Option<super::chain::ChainSync>>,
 }
 
 impl GpuContext {
@@ -318,7 +316,6 @@ impl GpuContext {
             parsed: Mutex::default(),
             pipelines: Mutex::default(),
             matrix_units_off: Mutex::default(),
-            chain: std::sync::OnceLock::new(),
         })
     }
 
@@ -429,35 +426,6 @@ impl GpuContext {
         self.spirv_pipeline(kernel, constants, true)
     }
 
-    /// Whether single-token passes may run overlapped (`chain.rs`): `SMOE_OVERLAP_DECODE=1`,
-    /// on NVIDIA's own driver (every kernel through our SPIR-V, passthrough shaders).
-    pub fn overlapped_decode(&self) -> bool {
-        self.chain_sync().is_some()
-    }
-
-    pub(crate) fn chain_sync(&self) -> Option<&super::chain::ChainSync> {
-        self.chain
-            .get_or_init(|| {
-                let on = std::env::var(super::chain::OVERLAP_ENV).is_ok_and(|v| v == "1");
-                if !on || self.info.exec_barriers != ExecBarriers::AllKernels {
-                    return None;
-                }
-                super::chain::ChainSync::new(self)
-                    .map_err(|e| tracing::warn!("overlapped decode off: {e}"))
-                    .ok()
-            })
-            .as_ref()
-    }
-
-    /// Workgroups of overlapped passes that gave up waiting for the dispatches before them
-    /// (`chain.rs`; 0 where the mode is off). Waits for the GPU.
-    pub fn overlap_gave_up(&self) -> Result<u32, GpuError> {
-        match self.chain_sync() {
-            Some(c) => c.gave_up(self),
-            None => Ok(0),
-        }
-    }
-
     fn spirv_pipeline(
         &self,
         kernel: &'static str,
@@ -477,10 +445,6 @@ impl GpuContext {
                     self.info.exec_barriers.covers(parsed.cooperative),
                 )
                 .map_err(fail)?;
-            if super::chain::base_name(kernel).is_some() {
-                let coherent = parsed.storage_bindings_except(super::chain::WEIGHT_BINDINGS);
-                super::spirv::coherent_bindings(&mut words, &coherent).map_err(fail)?;
-            }
             let bindings: Vec<u32> = parsed.bindings.iter().map(|b| b.binding).collect();
             super::spirv::rank_bindings(&mut words, &bindings).map_err(fail)?;
             let entries: Vec<wgpu::BindGroupLayoutEntry> = parsed
@@ -516,9 +480,9 @@ impl GpuContext {
                     immediate_size: 0,
                 });
             // SAFETY: the words are naga's validated translation of our WGSL, changed only in the
-            // declared memory model, the barriers' semantics, twins' Coherent decorations and
-            // the binding numbers (ranked as wgpu's Vulkan layout numbers them; spirv.rs); the
-            // layout above is the bindings its entry point uses.
+            // declared memory model, the barriers' semantics and the binding numbers (ranked as
+            // wgpu's Vulkan layout numbers them; spirv.rs); the layout above is the bindings its
+            // entry point uses.
             let module = unsafe {
                 self.device.create_shader_module_passthrough(
                     wgpu::ShaderModuleDescriptorPassthrough {

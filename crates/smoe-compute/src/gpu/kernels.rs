@@ -138,11 +138,6 @@ const KERNELS: &[(&str, &str, &[Fragment])] = &[
     ("embed", include_str!("../../kernels/embed.wgsl"), &[]),
     ("eltwise", include_str!("../../kernels/eltwise.wgsl"), &[]),
     ("slot_map", include_str!("../../kernels/slot_map.wgsl"), &[]),
-    (
-        "chain_reset",
-        include_str!("../../kernels/chain_reset.wgsl"),
-        &[],
-    ),
 ];
 
 /// Every kernel's name (for the Metal translation test and `smoe info`).
@@ -152,13 +147,6 @@ pub fn kernel_names() -> Vec<&'static str> {
 
 /// The full WGSL of `name`, as handed to the device (with `SMOE_KERNEL_DIR`'s edits, if set).
 pub fn kernel_source(name: &str) -> Option<String> {
-    if let Some(base) = super::chain::base_name(name) {
-        // An overlapped decode's twin (chain.rs): the kernel's source, wrapped.
-        let src = kernel_source(base)?;
-        return super::chain::wrap(&src)
-            .map_err(|e| tracing::error!("kernel {name}: {e}"))
-            .ok();
-    }
     let dir = std::env::var_os(KERNEL_DIR_ENV).map(PathBuf::from);
     if let Some(d) = dir.as_ref().filter(|d| !d.is_dir()) {
         // A mistyped path would otherwise silently measure the compiled-in kernels.

@@ -3,7 +3,6 @@
 //! that a kernel earlier in the same pass can cancel everything recorded after it by zeroing
 //! those counts (`SlotMap`: a streaming pass that halts at the first expert missing from VRAM).
 
-use super::chain::{ChainCursor, Chained};
 use super::context::GpuContext;
 
 /// The launch counts of one recording's indirect dispatches, in recording order (3 u32s each),
@@ -80,35 +79,12 @@ pub enum Launch<'a> {
     Direct,
     /// From `IndirectArgs` (the counts recorded there, unless a kernel zeroed them).
     Indirect(&'a mut IndirectArgs),
-    /// Direct, and overlapped where the kernel has a chained twin (`chain.rs`).
-    Chained(ChainCursor<'a>),
 }
 
 impl Launch<'_> {
-    /// Records `twin` where this launch chains and there is one (true); otherwise records
-    /// nothing (false), after resetting the chain where an ordinary dispatch follows chained
-    /// ones — so call it before setting the ordinary dispatch's pipeline.
-    pub(crate) fn chain(
-        &mut self,
-        pass: &mut wgpu::ComputePass<'_>,
-        twin: Option<&Chained>,
-        groups: [u32; 3],
-    ) -> bool {
-        let Launch::Chained(c) = self else {
-            return false;
-        };
-        match twin {
-            Some(t) => c.chained(pass, t, groups),
-            None => {
-                c.fenced(pass);
-                false
-            }
-        }
-    }
-
     pub(crate) fn dispatch(&mut self, pass: &mut wgpu::ComputePass<'_>, [x, y, z]: [u32; 3]) {
         match self {
-            Launch::Direct | Launch::Chained(_) => pass.dispatch_workgroups(x, y, z),
+            Launch::Direct => pass.dispatch_workgroups(x, y, z),
             Launch::Indirect(args) => {
                 let at = args.push([x, y, z]);
                 pass.dispatch_workgroups_indirect(&args.buf, at);

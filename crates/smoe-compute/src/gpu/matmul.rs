@@ -461,7 +461,6 @@ impl MatMul {
 
     /// Records the product, launched as `launch` says.
     pub fn record_with(&self, pass: &mut wgpu::ComputePass<'_>, launch: &mut Launch) {
-        launch.chain(pass, None, [0; 3]);
         pass.set_pipeline(&self.pipeline);
         for (bind, groups) in &self.parts {
             pass.set_bind_group(0, bind, &[]);

@@ -2,7 +2,6 @@
 //! (silu(G·x)·(U·x)) and grouped (a stack of experts chosen by ids on the GPU).
 
 use super::buffers::{Binding, BufRef};
-use super::chain::Chained;
 use super::context::{GpuContext, GpuError};
 use super::launch::Launch;
 use super::parts::split_rows;
@@ -329,8 +328,6 @@ const STAGE_FLOATS: usize = 4096;
 pub struct MatVec {
     pipeline: wgpu::ComputePipeline,
     parts: Vec<(wgpu::BindGroup, [u32; 3])>,
-    /// The parts' twins for overlapped single-token passes (`chain.rs`), where there are any.
-    chained: Vec<Chained>,
 }
 
 fn dtype_code(d: DType, t: MatVecTuning) -> Result<f64, GpuError> {
@@ -717,7 +714,7 @@ impl MatVec {
             ));
         }
         let max_wg = ctx.limits().max_compute_workgroups_per_dimension as u64;
-        let (mut parts, mut chained) = (vec![], vec![]);
+        let mut parts = vec![];
         for part in split {
             let (r0, rows) = (part.r0, part.rows);
             let params = Params {
@@ -782,7 +779,6 @@ impl MatVec {
                 Binding::whole(tail.partials.as_ref().unwrap_or(&tail.done)).entry(13),
             ];
             let bind = ctx.bind_group("matvec", &pipeline, &entries)?;
-            chained.extend(Chained::new(ctx, kernel, &constants, &entries)?);
             let groups = [
                 rows.div_ceil(tune.rows as u64),
                 out_slots as u64,
@@ -799,15 +795,7 @@ impl MatVec {
             }
             parts.push((bind, groups.map(|g| g as u32)));
         }
-        // Twins for every part, or none.
-        if chained.len() != parts.len() {
-            chained.clear();
-        }
-        Ok(MatVec {
-            pipeline,
-            parts,
-            chained,
-        })
+        Ok(MatVec { pipeline, parts })
     }
 
     /// Records the product into an open compute pass.
@@ -817,11 +805,8 @@ impl MatVec {
 
     /// Records the product, launched as `launch` says.
     pub fn record_with(&self, pass: &mut wgpu::ComputePass<'_>, launch: &mut Launch) {
-        for (i, (bind, groups)) in self.parts.iter().enumerate() {
-            if launch.chain(pass, self.chained.get(i), *groups) {
-                continue;
-            }
-            pass.set_pipeline(&self.pipeline);
+        pass.set_pipeline(&self.pipeline);
+        for (bind, groups) in &self.parts {
             pass.set_bind_group(0, bind, &[]);
             launch.dispatch(pass, *groups);
         }

@@ -3,7 +3,6 @@
 //! one-pipeline-one-bind-group shape they (and the router and attention wrappers) share.
 
 use super::buffers::{Binding, BufRef};
-use super::chain::Chained;
 use super::context::{GpuContext, GpuError};
 use super::launch::Launch;
 
@@ -12,8 +11,6 @@ pub(crate) struct Dispatch {
     pipeline: wgpu::ComputePipeline,
     bind: wgpu::BindGroup,
     groups: [u32; 3],
-    /// Its twin for overlapped single-token passes (`chain.rs`), where there is one.
-    chained: Option<Chained>,
 }
 
 impl Dispatch {
@@ -27,7 +24,7 @@ impl Dispatch {
         groups: [usize; 3],
     ) -> Result<Self, GpuError> {
         let pipeline = ctx.pipeline(kernel, constants)?;
-        Self::build(ctx, kernel, pipeline, Some(constants), params, bufs, groups)
+        Self::with_pipeline(ctx, kernel, pipeline, params, bufs, groups)
     }
 
     /// As `new`, with a pipeline of the caller's (e.g. `GpuContext::pipeline_unfenced`'s).
@@ -35,19 +32,6 @@ impl Dispatch {
         ctx: &GpuContext,
         kernel: &'static str,
         pipeline: wgpu::ComputePipeline,
-        params: &P,
-        bufs: &[Binding],
-        groups: [usize; 3],
-    ) -> Result<Self, GpuError> {
-        Self::build(ctx, kernel, pipeline, None, params, bufs, groups)
-    }
-
-    /// `constants`: those of `pipeline`, to build the twin with (none without them).
-    fn build<P: bytemuck::Pod>(
-        ctx: &GpuContext,
-        kernel: &'static str,
-        pipeline: wgpu::ComputePipeline,
-        constants: Option<&[(&'static str, f64)]>,
         params: &P,
         bufs: &[Binding],
         groups: [usize; 3],
@@ -64,15 +48,10 @@ impl Dispatch {
             entries.push(b.entry(i as u32 + 1));
         }
         let bind = ctx.bind_group(kernel, &pipeline, &entries)?;
-        let chained = match constants {
-            Some(c) => Chained::new(ctx, kernel, c, &entries)?,
-            None => None,
-        };
         Ok(Dispatch {
             pipeline,
             bind,
             groups: groups.map(|g| g as u32),
-            chained,
         })
     }
 
@@ -81,9 +60,6 @@ impl Dispatch {
     }
 
     pub(crate) fn record_with(&self, pass: &mut wgpu::ComputePass<'_>, launch: &mut Launch) {
-        if launch.chain(pass, self.chained.as_ref(), self.groups) {
-            return;
-        }
         pass.set_pipeline(&self.pipeline);
         pass.set_bind_group(0, &self.bind, &[]);
         launch.dispatch(pass, self.groups);

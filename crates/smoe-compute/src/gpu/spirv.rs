@@ -30,8 +30,6 @@ pub struct Parsed {
     pub bindings: Vec<KernelBinding>,
     /// Whether it uses cooperative matrices (the tensor-core GEMM).
     pub cooperative: bool,
-    /// The storage bindings' names, by binding.
-    storage_names: Vec<(u32, String)>,
 }
 
 impl Parsed {
@@ -50,8 +48,7 @@ impl Parsed {
             .position(|e| e.name == "main")
             .ok_or("no entry point named main")?;
         let uses = info.get_entry_point(main);
-        // Group 0's bindings that `main` uses, with their names.
-        let mut named: Vec<(KernelBinding, String)> = module
+        let mut bindings: Vec<KernelBinding> = module
             .global_variables
             .iter()
             .filter(|(h, _)| !uses[*h].is_empty())
@@ -64,21 +61,14 @@ impl Parsed {
                     }
                     _ => return None,
                 };
-                let kb = KernelBinding {
+                Some(KernelBinding {
                     binding: b.binding,
                     uniform,
                     read_only,
-                };
-                Some((kb, g.name.clone().unwrap_or_default()))
+                })
             })
             .collect();
-        named.sort_by_key(|(b, _)| b.binding);
-        let bindings = named.iter().map(|(b, _)| *b).collect();
-        let storage_names = named
-            .into_iter()
-            .filter(|(b, _)| !b.uniform)
-            .map(|(b, n)| (b.binding, n))
-            .collect();
+        bindings.sort_by_key(|b| b.binding);
         let cooperative = module
             .types
             .iter()
@@ -88,17 +78,7 @@ impl Parsed {
             info,
             bindings,
             cooperative,
-            storage_names,
         })
-    }
-
-    /// The storage bindings whose names are not in `except`.
-    pub fn storage_bindings_except(&self, except: &[&str]) -> Vec<u32> {
-        self.storage_names
-            .iter()
-            .filter(|(_, n)| !except.contains(&n.as_str()))
-            .map(|(b, _)| *b)
-            .collect()
     }
 
     /// SPIR-V of `main` with its `override`s set to `constants`, under the GLSL450 memory model
@@ -131,16 +111,16 @@ impl Parsed {
         // naga's override pass has panicked on valid modules (an assertion in its arenas, with
         // two override-sized workgroup arrays): a kernel that cannot be built is an error the
         // caller reports, not a crash of the process.
-        let processed = std::panic::catch_unwind(|| {
+        let (module, info) = std::panic::catch_unwind(|| {
             naga::back::pipeline_constants::process_overrides(
                 &self.module,
                 &self.info,
                 None,
                 &consts,
             )
+            .map_err(|e| format!("overrides: {e:?}"))
         })
-        .map_err(|_| "naga panicked setting the overrides".to_string())?;
-        let (module, info) = processed.map_err(|e| format!("overrides: {e:?}"))?;
+        .map_err(|_| "naga panicked setting the overrides".to_string())??;
         let check = match bounds_checks {
             true => naga::proc::BoundsCheckPolicy::Restrict,
             false => naga::proc::BoundsCheckPolicy::Unchecked,
@@ -275,60 +255,15 @@ pub fn execution_only_barriers(words: &mut Vec<u32>) -> Result<(), String> {
     Ok(())
 }
 
-/// Decorates the variables bound at `bindings` (group 0) `Coherent`: under the GLSL450 memory
-/// model their loads and stores are then coherent across the device's invocations, which no
-/// SM's cache answers from an older copy. For the overlapped decode's twins (`chain.rs`), whose
-/// inputs other dispatches write while they may already run. Fails unless each binding was
-/// found.
-pub fn coherent_bindings(words: &mut Vec<u32>, bindings: &[u32]) -> Result<(), String> {
-    let insts = instructions(words)?;
-    // id → binding, for variables in descriptor set 0.
-    let (mut binding_of, mut set0) = (std::collections::HashMap::new(), vec![]);
-    for (_, inst) in &insts {
-        if opcode(inst) == OP_DECORATE && inst.len() == 4 {
-            match inst[2] {
-                DECORATION_BINDING => {
-                    binding_of.insert(inst[1], inst[3]);
-                }
-                DECORATION_DESCRIPTOR_SET if inst[3] == 0 => set0.push(inst[1]),
-                _ => {}
-            }
-        }
-    }
-    let mut targets: Vec<u32> = set0
-        .into_iter()
-        .filter(|id| binding_of.get(id).is_some_and(|b| bindings.contains(b)))
-        .collect();
-    targets.sort_unstable();
-    if targets.len() != bindings.len() {
-        return Err(format!(
-            "bindings {bindings:?}: found {} in descriptor set 0",
-            targets.len()
-        ));
-    }
-    // After the first decoration (annotations must stay together, before the types).
-    let first = insts
-        .iter()
-        .find(|(_, inst)| opcode(inst) == OP_DECORATE)
-        .map(|(at, _)| *at)
-        .ok_or("no decorations")?;
-    let added: Vec<u32> = targets
-        .iter()
-        .flat_map(|id| [(3 << 16) | OP_DECORATE, *id, DECORATION_COHERENT])
-        .collect();
-    words.splice(first..first, added);
-    Ok(())
-}
-
 /// Renumbers the `Binding` decorations of descriptor set 0 to each binding's rank among
 /// `bindings` (the layout's, in any order). wgpu's Vulkan backend gives a layout entry the
 /// Vulkan binding of its position in the layout sorted by binding number, not the number
 /// itself (wgpu-hal's `create_bind_group_layout`), and remaps the modules naga compiles for it;
 /// a passthrough module must be remapped by whoever made it. Kernels whose bindings run 0..n
-/// are unchanged; the overlapped decode's twins (bindings 30 and 31 after a kernel's) are not:
-/// without this their counter and step were descriptors the layout does not have — the
-/// twins read a want of 0 and their count-ins went nowhere, so they never waited (twenty-fifth
-/// session, H100). Fails on a set-0 binding that `bindings` lacks.
+/// are unchanged. One that skips a number is not: the overlapped decode's twins (twenty-fifth
+/// session, bindings 30 and 31 after their kernel's 0..13) read their counter and step from
+/// descriptors the layout did not have — no error, just a wait that never waited. Fails on a
+/// set-0 binding that `bindings` lacks.
 pub fn rank_bindings(words: &mut [u32], bindings: &[u32]) -> Result<(), String> {
     let mut sorted = bindings.to_vec();
     sorted.sort_unstable();
@@ -380,7 +315,6 @@ const OP_CONSTANT: u32 = 43;
 const OP_FUNCTION: u32 = 54;
 const OP_CONTROL_BARRIER: u32 = 224;
 const OP_DECORATE: u32 = 71;
-const DECORATION_COHERENT: u32 = 23;
 const DECORATION_BINDING: u32 = 33;
 const DECORATION_DESCRIPTOR_SET: u32 = 34;
 const SCOPE_WORKGROUP: u32 = 2;
@@ -469,19 +403,26 @@ mod tests {
         out
     }
 
-    /// A twin's bindings (its kernel's 0..=13, then the chain's 30 and 31) become the ranks
-    /// wgpu's Vulkan layout gives them: 0..=15. A dense kernel's stay as they are; a binding
-    /// the layout lacks is refused.
+    /// Bindings that skip numbers (0, 2, 7) become the ranks wgpu's Vulkan layout gives them
+    /// (0, 1, 2); a dense kernel's stay as they are; a binding the layout lacks is refused.
     #[test]
     fn bindings_take_their_rank_in_the_layout() {
-        let parsed = Parsed::new(&crate::gpu::kernel_source("matvec+chain").unwrap()).unwrap();
+        let src = "struct P { n: u32, a: u32, b: u32, c: u32 }
+@group(0) @binding(0) var<uniform> p: P;
+@group(0) @binding(2) var<storage, read> x: array<f32>;
+@group(0) @binding(7) var<storage, read_write> y: array<f32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) g: vec3<u32>) {
+    if g.x < p.n { y[g.x] = x[g.x]; }
+}
+";
+        let parsed = Parsed::new(src).unwrap();
         let bindings: Vec<u32> = parsed.bindings.iter().map(|b| b.binding).collect();
+        assert_eq!(bindings, [0, 2, 7]);
         let mut words = parsed.compile(&[], false, true).unwrap();
-        let before = set0_bindings(&words);
-        assert_eq!(before.last(), Some(&31), "{before:?}");
-        rank_bindings(&mut words, &bindings).unwrap();
-        let n = bindings.len() as u32;
-        assert_eq!(set0_bindings(&words), (0..n).collect::<Vec<_>>());
+        assert_eq!(set0_bindings(&words), [0, 2, 7]);
+        rank_bindings(&mut words, &[7, 0, 2]).unwrap();
+        assert_eq!(set0_bindings(&words), [0, 1, 2]);
         assert!(instructions(&words).is_ok());
 
         let parsed = Parsed::new(&crate::gpu::kernel_source("matvec").unwrap()).unwrap();

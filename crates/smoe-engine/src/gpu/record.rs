@@ -2,9 +2,8 @@
 //! timestamp after every step when the decoder is profiling (`GpuDecoder::profile`).
 
 use smoe_compute::gpu::{
-    wgpu, Argmax, ChainCursor, DecodeAttention, Eltwise, EmbedGather, ExpertSort, GpuContext,
-    IndirectArgs, Launch, MatMul, MatVec, QkNormRope, RmsNorm, Router, SlotMap, Timestamps,
-    WeightedSum,
+    wgpu, Argmax, DecodeAttention, Eltwise, EmbedGather, ExpertSort, IndirectArgs, Launch, MatMul,
+    MatVec, QkNormRope, RmsNorm, Router, SlotMap, Timestamps, WeightedSum,
 };
 
 /// A prepared dispatch (or a few) that records into a compute pass.
@@ -67,17 +66,6 @@ impl<'p, 't> Recorder<'p, 't> {
         }
     }
 
-    /// A recorder without timestamps whose single-token steps run overlapped where the context
-    /// offers it (`GpuContext::overlapped_decode`; `ChainCursor`), else as `new` records them.
-    pub fn overlapped(pass: wgpu::ComputePass<'p>, ctx: &'t GpuContext) -> Self {
-        Recorder {
-            pass,
-            ts: None,
-            fine: false,
-            launch: ChainCursor::new(ctx).map_or(Launch::Direct, Launch::Chained),
-        }
-    }
-
     /// A recorder without timestamps whose steps launch from `args` (cleared first), so that a
     /// `SlotMap` can halt the pass.
     pub fn through(pass: wgpu::ComputePass<'p>, args: &'t mut IndirectArgs) -> Self {
@@ -94,16 +82,6 @@ impl<'p, 't> Recorder<'p, 't> {
         d.record_into(&mut self.pass, &mut self.launch);
         if let Some(t) = self.ts.as_deref_mut().filter(|_| self.fine) {
             t.mark(&mut self.pass, label);
-        }
-    }
-
-    /// Ends an overlapped recording (`overlapped`): a last reset of its counter, which wgpu
-    /// fences from the chained dispatches, so that whatever is recorded or submitted after the
-    /// pass waits for them (their pipelines declare every buffer read-only, so a later
-    /// reader of what they wrote would otherwise get no barrier).
-    pub fn close(mut self) {
-        if let Launch::Chained(c) = &mut self.launch {
-            c.fenced(&mut self.pass);
         }
     }
 

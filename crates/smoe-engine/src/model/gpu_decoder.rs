@@ -21,14 +21,14 @@
 use super::{mat, Logits};
 use crate::error::EngineError;
 use crate::gpu::{
-    self, gpu_err, Acts, FfnW, GpuKv, Head, KvPool, LayerOps, Readback, Recorder, Weights,
-    GEMM_MIN, LOGIT_ROWS, T_MAX,
+    self, Acts, FfnW, GpuKv, Head, KvPool, LayerOps, Readback, Recorder, Weights, GEMM_MIN,
+    LOGIT_ROWS, T_MAX,
 };
 use crate::kv_cache::KvCache;
 use crate::rope::RopeTable;
 use crate::store::{CacheBudget, Experts, StoreOptions};
 use smoe_compute::gpu::{
-    wgpu, BufRef, ClockHold, EmbedGather, GpuContext, MatrixUnits, Timestamps, OVERLAP_ENV,
+    wgpu, BufRef, ClockHold, EmbedGather, GpuContext, MatrixUnits, Timestamps,
 };
 use smoe_vault::{ModelConfig, TensorData, Vault};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -736,15 +736,6 @@ impl GpuDecoder {
                 fed.push(id);
             }
         }
-        // An overlapped pass whose workgroups gave up waiting may have computed from inputs
-        // not yet written (chain.rs): never a silent wrong answer.
-        let gave_up = self.ctx.overlap_gave_up().map_err(gpu_err)?;
-        if gave_up > 0 {
-            return Err(EngineError::Backend(format!(
-                "GPU: {gave_up} workgroups of overlapped decode passes gave up waiting for the \
-                 dispatches before them, so tokens may be wrong; run with {OVERLAP_ENV}=0"
-            )));
-        }
         Ok(Some(fed))
     }
 
@@ -809,7 +800,7 @@ impl GpuDecoder {
                 label: Some("forward"),
                 timestamp_writes: None,
             });
-            let mut r = Recorder::overlapped(pass, &self.ctx);
+            let mut r = Recorder::new(pass, None, false, false);
             if !from_host {
                 r.step("embedding", &chain.gather);
             }
@@ -821,7 +812,6 @@ impl GpuDecoder {
                 ));
             }
             head.record_last(&mut r, true);
-            r.close();
         }
         chain.ids[slot].copy(&mut enc, &self.acts.argmax, 4);
         Ok(self.ctx.queue.submit([enc.finish()]))
