@@ -8,9 +8,9 @@
 use super::buffers::{Binding, BufRef};
 use super::context::{GpuContext, GpuError, MatrixUnits};
 use super::expert_sort::ExpertSort;
-use super::launch::Launch;
 use super::matvec::WeightRef;
-use super::parts::split_rows;
+use super::ops::recordable;
+use super::parts::{split_rows, PartDispatches};
 use smoe_vault::quant::DType;
 
 /// Grouped product: the weights are a stack of `sort.n_mats()` matrices `mat_stride` bytes
@@ -269,8 +269,7 @@ fn dtype_code(d: DType) -> Result<f64, GpuError> {
 /// A recorded-at-load GEMM: one dispatch per part (a dense matrix larger than a storage binding
 /// is split by rows into parts).
 pub struct MatMul {
-    pipeline: wgpu::ComputePipeline,
-    parts: Vec<(wgpu::BindGroup, [u32; 3])>,
+    dispatches: PartDispatches,
     tuning: MatMulTuning,
 }
 
@@ -448,31 +447,13 @@ impl MatMul {
             parts.push((bind, groups.map(|g| g as u32)));
         }
         Ok(MatMul {
-            pipeline,
-            parts,
+            dispatches: PartDispatches { pipeline, parts },
             tuning: tune,
         })
     }
-
-    /// Records the product into an open compute pass (grouped: after the `ExpertSort`).
-    pub fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
-        self.record_with(pass, &mut Launch::Direct);
-    }
-
-    /// Records the product, launched as `launch` says.
-    pub fn record_with(&self, pass: &mut wgpu::ComputePass<'_>, launch: &mut Launch) {
-        pass.set_pipeline(&self.pipeline);
-        for (bind, groups) in &self.parts {
-            pass.set_bind_group(0, bind, &[]);
-            launch.dispatch(pass, *groups);
-        }
-    }
-
-    /// Records the product into its own compute pass of `enc`.
-    pub fn encode(&self, enc: &mut wgpu::CommandEncoder) {
-        super::in_pass(enc, "matmul", |p| self.record(p));
-    }
 }
+
+recordable!(MatMul, "matmul", dispatches);
 
 #[cfg(test)]
 mod dense_tile_tests {

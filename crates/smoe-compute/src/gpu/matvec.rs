@@ -3,8 +3,8 @@
 
 use super::buffers::{Binding, BufRef};
 use super::context::{GpuContext, GpuError};
-use super::launch::Launch;
-use super::parts::split_rows;
+use super::ops::recordable;
+use super::parts::{split_rows, PartDispatches};
 use smoe_vault::quant::DType;
 
 /// A weight matrix `[rows, cols]` in a vault storage type, stored at `offset` (a multiple of 16)
@@ -326,8 +326,7 @@ const STAGE_FLOATS: usize = 4096;
 /// A recorded-at-load matrix product: one dispatch per part (a matrix larger than a storage
 /// binding is split by rows into parts).
 pub struct MatVec {
-    pipeline: wgpu::ComputePipeline,
-    parts: Vec<(wgpu::BindGroup, [u32; 3])>,
+    dispatches: PartDispatches,
 }
 
 fn dtype_code(d: DType, t: MatVecTuning) -> Result<f64, GpuError> {
@@ -795,28 +794,13 @@ impl MatVec {
             }
             parts.push((bind, groups.map(|g| g as u32)));
         }
-        Ok(MatVec { pipeline, parts })
-    }
-
-    /// Records the product into an open compute pass.
-    pub fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
-        self.record_with(pass, &mut Launch::Direct);
-    }
-
-    /// Records the product, launched as `launch` says.
-    pub fn record_with(&self, pass: &mut wgpu::ComputePass<'_>, launch: &mut Launch) {
-        pass.set_pipeline(&self.pipeline);
-        for (bind, groups) in &self.parts {
-            pass.set_bind_group(0, bind, &[]);
-            launch.dispatch(pass, *groups);
-        }
-    }
-
-    /// Records the product into its own compute pass of `enc`.
-    pub fn encode(&self, enc: &mut wgpu::CommandEncoder) {
-        super::in_pass(enc, "matvec", |p| self.record(p));
+        Ok(MatVec {
+            dispatches: PartDispatches { pipeline, parts },
+        })
     }
 }
+
+recordable!(MatVec, "matvec", dispatches);
 
 #[cfg(test)]
 mod tests {

@@ -3,6 +3,7 @@
 
 use super::buffers::Binding;
 use super::context::{GpuContext, GpuError};
+use super::launch::Launch;
 use super::matvec::WeightRef;
 
 /// Rows `r0..r0 + rows` of a matrix, bound as `buffer[base..end]`.
@@ -80,4 +81,21 @@ pub(crate) fn split_rows(
         r0 += rows;
     }
     Ok(parts)
+}
+
+/// One pipeline dispatched once per part, each with its own bind group and workgroup counts.
+pub(crate) struct PartDispatches {
+    pub pipeline: wgpu::ComputePipeline,
+    pub parts: Vec<(wgpu::BindGroup, [u32; 3])>,
+}
+
+impl super::ops::RecordPart for PartDispatches {
+    /// Records every part, launched as `launch` says.
+    fn record_part(&self, pass: &mut wgpu::ComputePass<'_>, launch: &mut Launch) {
+        pass.set_pipeline(&self.pipeline);
+        for (bind, groups) in &self.parts {
+            pass.set_bind_group(0, bind, &[]);
+            launch.dispatch(pass, *groups);
+        }
+    }
 }
