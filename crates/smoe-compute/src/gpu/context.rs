@@ -445,8 +445,7 @@ impl GpuContext {
                     self.info.exec_barriers.covers(parsed.cooperative),
                 )
                 .map_err(fail)?;
-            let bindings: Vec<u32> = parsed.bindings.iter().map(|b| b.binding).collect();
-            super::spirv::rank_bindings(&mut words, &bindings).map_err(fail)?;
+            super::spirv::rank_bindings(&mut words, &parsed.bindings).map_err(fail)?;
             let entries: Vec<wgpu::BindGroupLayoutEntry> = parsed
                 .bindings
                 .iter()

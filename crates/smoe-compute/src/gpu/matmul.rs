@@ -267,7 +267,7 @@ fn dtype_code(d: DType) -> Result<f64, GpuError> {
 }
 
 /// A recorded-at-load GEMM: one dispatch per part (a dense matrix larger than a storage binding
-/// is split by rows into parts).
+/// is split by rows into parts). A grouped one is recorded after its `ExpertSort`.
 pub struct MatMul {
     dispatches: PartDispatches,
     tuning: MatMulTuning,

@@ -255,19 +255,17 @@ pub fn execution_only_barriers(words: &mut Vec<u32>) -> Result<(), String> {
     Ok(())
 }
 
-/// Renumbers the `Binding` decorations of descriptor set 0 to each binding's rank among
-/// `bindings` (the layout's, in any order). wgpu's Vulkan backend gives a layout entry the
-/// Vulkan binding of its position in the layout sorted by binding number, not the number
+/// Renumbers the `Binding` decorations of descriptor set 0 to each binding's rank in `layout`
+/// (sorted by binding, as `Parsed::bindings` is). wgpu's Vulkan backend gives a layout entry
+/// the Vulkan binding of its position in the layout sorted by binding number, not the number
 /// itself (wgpu-hal's `create_bind_group_layout`), and remaps the modules naga compiles for it;
 /// a passthrough module must be remapped by whoever made it. Kernels whose bindings run 0..n
 /// are unchanged. One that skips a number is not: the overlapped decode's twins (twenty-fifth
 /// session, bindings 30 and 31 after their kernel's 0..13) read their counter and step from
 /// descriptors the layout did not have — no error, just a wait that never waited. Fails on a
-/// set-0 binding that `bindings` lacks.
-pub fn rank_bindings(words: &mut [u32], bindings: &[u32]) -> Result<(), String> {
-    let mut sorted = bindings.to_vec();
-    sorted.sort_unstable();
-    sorted.dedup();
+/// set-0 binding that `layout` lacks.
+pub fn rank_bindings(words: &mut [u32], layout: &[KernelBinding]) -> Result<(), String> {
+    debug_assert!(layout.windows(2).all(|w| w[0].binding < w[1].binding));
     let insts = instructions(words)?;
     let set0: std::collections::HashSet<u32> = insts
         .iter()
@@ -291,9 +289,9 @@ pub fn rank_bindings(words: &mut [u32], bindings: &[u32]) -> Result<(), String> 
         .map(|(at, inst)| (at + 3, inst[3]))
         .collect();
     for (at, binding) in slots {
-        let rank = sorted
-            .binary_search(&binding)
-            .map_err(|_| format!("binding {binding} is not in the layout {sorted:?}"))?;
+        let rank = layout
+            .binary_search_by_key(&binding, |b| b.binding)
+            .map_err(|_| format!("binding {binding} is not in the kernel's layout"))?;
         words[at] = rank as u32;
     }
     Ok(())
@@ -421,17 +419,16 @@ fn main(@builtin(global_invocation_id) g: vec3<u32>) {
         assert_eq!(bindings, [0, 2, 7]);
         let mut words = parsed.compile(&[], false, true).unwrap();
         assert_eq!(set0_bindings(&words), [0, 2, 7]);
-        rank_bindings(&mut words, &[7, 0, 2]).unwrap();
+        rank_bindings(&mut words, &parsed.bindings).unwrap();
         assert_eq!(set0_bindings(&words), [0, 1, 2]);
         assert!(instructions(&words).is_ok());
 
         let parsed = Parsed::new(&crate::gpu::kernel_source("matvec").unwrap()).unwrap();
-        let bindings: Vec<u32> = parsed.bindings.iter().map(|b| b.binding).collect();
         let mut words = parsed.compile(&[], false, true).unwrap();
         let dense = words.clone();
-        rank_bindings(&mut words, &bindings).unwrap();
+        rank_bindings(&mut words, &parsed.bindings).unwrap();
         assert_eq!(words, dense);
-        assert!(rank_bindings(&mut words, &bindings[1..]).is_err());
+        assert!(rank_bindings(&mut words, &parsed.bindings[1..]).is_err());
     }
 
     /// The experts' gate_up GEMM (q4, 48-token tiles) as the engine compiles it.
