@@ -29,6 +29,7 @@ fn open_with(path: &Path, budget: CacheBudget, profile: bool, read_piece: usize)
         read_piece,
         fault: None,
         mapped_slots: true,
+        route_trace: None,
     };
     Engine::open(
         path,
@@ -197,6 +198,7 @@ fn slow_logged_store(v: &TempVault, ms: u64) -> (smoe_engine::store::Experts, Re
         read_piece: DEFAULT_READ_PIECE,
         fault: Some(fault),
         mapped_slots: true,
+        route_trace: None,
     };
     let vault = smoe_vault::Vault::open(v.path()).unwrap();
     let experts = smoe_engine::store::Experts::open(&vault, &opts).unwrap();
@@ -306,6 +308,7 @@ fn open_with_fault(
         read_piece: 16 << 10,
         fault: Some(fault),
         mapped_slots: true,
+        route_trace: None,
     };
     let opts = EngineOptions {
         store,
@@ -324,6 +327,7 @@ fn store_of_pieces(v: &TempVault) -> (smoe_vault::Vault, smoe_engine::store::Exp
         read_piece: 16 << 10,
         fault: None,
         mapped_slots: true,
+        route_trace: None,
     };
     let vault = smoe_vault::Vault::open(v.path()).unwrap();
     let experts = smoe_engine::store::Experts::open(&vault, &opts).unwrap();

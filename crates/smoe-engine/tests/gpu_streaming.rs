@@ -8,7 +8,7 @@
 
 use smoe_compute::gpu::wgpu;
 use smoe_engine::engine::{Backend, EngineOptions};
-use smoe_engine::model::gpu_decoder::SlotStats;
+use smoe_engine::model::gpu_decoder::{RouteTrace, SlotStats};
 use smoe_engine::store::{CacheBudget, StoreOptions, DEFAULT_READ_PIECE};
 use smoe_engine::{Engine, Model};
 use smoe_vault::DType;
@@ -22,6 +22,16 @@ fn open(path: &Path, budget: CacheBudget) -> Engine {
 }
 
 fn open_with(path: &Path, budget: CacheBudget, read_piece: usize, mapped_slots: bool) -> Engine {
+    open_traced(path, budget, read_piece, mapped_slots, None)
+}
+
+fn open_traced(
+    path: &Path,
+    budget: CacheBudget,
+    read_piece: usize,
+    mapped_slots: bool,
+    route_trace: Option<RouteTrace>,
+) -> Engine {
     let store = StoreOptions {
         budget,
         profile: false,
@@ -29,6 +39,7 @@ fn open_with(path: &Path, budget: CacheBudget, read_piece: usize, mapped_slots: 
         read_piece,
         fault: None,
         mapped_slots,
+        route_trace,
     };
     let e = Engine::open(
         path,
@@ -216,6 +227,56 @@ fn gpu_tokens_do_not_depend_on_the_expert_cache() {
 /// Faults on the GPU streaming path: an I/O error while filling VRAM slots fails the request
 /// with the layer named, no slot keeps a failed expert, and the same engine then serves the
 /// request correctly (equal to the resident run); a corrupt blob is named by layer and expert.
+/// The routing oracle (a measurement of the I/O bound, `SMOE_ROUTE_TRACE`): a run records each
+/// decode MoE layer's choice; replaying that trace, the decoder reads the true experts of the
+/// next layers ahead instead of guessing — the same tokens, reads started ahead, none wasted.
+#[test]
+fn a_replayed_routing_trace_reads_ahead_and_changes_no_token() {
+    if !have_gpu() {
+        return;
+    }
+    let v = TempVault::new("tiny-qwen2moe", DType::Q4);
+    let trace = v.0.with_extension("route-trace");
+    // One prompt token: every pass is a decode batch, so every MoE layer is traced.
+    let prompt = [5u32];
+    let rec = open_traced(
+        &v.0,
+        CacheBudget::Bytes(0),
+        DEFAULT_READ_PIECE,
+        true,
+        Some(RouteTrace::Record(trace.clone())),
+    );
+    let want = greedy(&rec, &prompt, 24);
+    drop(rec);
+    let lines = std::fs::read_to_string(&trace).unwrap().lines().count();
+    assert!(lines >= 24, "{lines} traced layers");
+    let replay = RouteTrace::Replay {
+        path: trace.clone(),
+        depth: 3,
+    };
+    let e = open_traced(&v.0, CacheBudget::Bytes(0), DEFAULT_READ_PIECE, true, Some(replay));
+    let Model::Gpu(g) = &e.model else {
+        unreachable!()
+    };
+    assert_eq!(greedy(&e, &prompt, 24), want);
+    let slots = g.slot_stats().unwrap();
+    let store = e.model.experts().stats().unwrap().total;
+    eprintln!(
+        "replay: {} oracle reads, {} misses, {} stops",
+        slots.oracle_reads, slots.misses, slots.stops
+    );
+    assert!(slots.oracle_reads > 0, "the oracle started no read");
+    // Its guesses replace the decoder's own, and every one is used.
+    assert_eq!(slots.spec_guesses, 0);
+    assert_eq!(store.prefetched, 0, "lookahead guesses while replaying");
+    assert_eq!(store.prefetch_wasted + store.prefetch_cancelled, 0);
+    // A run that departs from the trace (another prompt) decodes as it would without one.
+    let other = [7u32];
+    let free = open(&v.0, CacheBudget::Resident);
+    assert_eq!(greedy(&e, &other, 8), greedy(&free, &other, 8));
+    std::fs::remove_file(&trace).ok();
+}
+
 #[test]
 fn gpu_streaming_faults_fail_the_request_and_nothing_stays_cached() {
     use std::sync::atomic::{AtomicBool, Ordering};
@@ -237,6 +298,7 @@ fn gpu_streaming_faults_fail_the_request_and_nothing_stays_cached() {
         read_piece: DEFAULT_READ_PIECE,
         fault: Some(fault),
         mapped_slots: true,
+        route_trace: None,
     };
     let opts = EngineOptions {
         backend: Backend::Gpu,
@@ -301,6 +363,7 @@ fn a_saved_profile_preloads_the_vram_slots() {
             read_piece: DEFAULT_READ_PIECE,
             fault: None,
             mapped_slots: true,
+            route_trace: None,
         };
         let opts = EngineOptions {
             backend: Backend::Gpu,

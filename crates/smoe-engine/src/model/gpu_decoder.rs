@@ -35,8 +35,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+mod oracle;
 mod streaming;
 mod through;
+
+pub use oracle::RouteTrace;
 pub use streaming::SlotStats;
 use streaming::Streaming;
 use through::Through;
@@ -311,7 +314,18 @@ impl GpuDecoder {
                 Err(_) if st.lands => 0,
                 Err(_) => through::SPEC_DEPTH,
             };
-            st.through = Some(Through::new(ctx, &cfg, &acts, st.max_piece, depth)?);
+            let trace = match (&store.route_trace, std::env::var("SMOE_ROUTE_TRACE")) {
+                (Some(t), _) => Some(t.clone()),
+                (None, Ok(v)) => Some(RouteTrace::parse(&v)?),
+                (None, Err(_)) => None,
+            };
+            let oracle = trace.as_ref().map(oracle::Oracle::open).transpose()?;
+            // Replaying a trace, the oracle's guesses replace the decoder's own.
+            let depth = match &oracle {
+                Some(o) if o.replays() => 0,
+                _ => depth,
+            };
+            st.through = Some(Through::new(ctx, &cfg, &acts, st.max_piece, depth, oracle)?);
         }
         let chain = match weights.embedding(cfg.tie_word_embeddings) {
             Some(e) => {

@@ -134,6 +134,9 @@ pub struct StoreOptions {
     /// mapping where the device allows it (`gpu::slots`); false: always through wgpu's staging
     /// memory. Default: true, unless the environment sets `SMOE_MAPPED_SLOTS=0`.
     pub mapped_slots: bool,
+    /// GPU streaming, a measurement: record each decode MoE layer's choice, or replay such a
+    /// trace as perfect guesses (`gpu_decoder::RouteTrace`). None: as `SMOE_ROUTE_TRACE` says.
+    pub route_trace: Option<crate::model::gpu_decoder::RouteTrace>,
 }
 
 impl std::fmt::Debug for StoreOptions {
@@ -145,6 +148,7 @@ impl std::fmt::Debug for StoreOptions {
             .field("read_piece", &self.read_piece)
             .field("fault", &self.fault.is_some())
             .field("mapped_slots", &self.mapped_slots)
+            .field("route_trace", &self.route_trace)
             .finish()
     }
 }
@@ -158,6 +162,7 @@ impl Default for StoreOptions {
             read_piece: DEFAULT_READ_PIECE,
             fault: None,
             mapped_slots: !std::env::var("SMOE_MAPPED_SLOTS").is_ok_and(|v| v == "0"),
+            route_trace: None,
         }
     }
 }
@@ -298,9 +303,11 @@ impl Experts {
 
     /// Starts reading `experts` of `layer` that it certainly needs, ahead of the
     /// `for_each`/`for_each_blob` that will ask for them (streaming only; a no-op otherwise).
-    pub fn fetch_early(&self, layer: usize, experts: &[usize]) {
-        if let Source::Streamed(s) = &self.source {
-            s.fetch_early(layer, &self.with_blobs(layer, experts));
+    /// Returns how many reads it started (not those cached or already coming).
+    pub fn fetch_early(&self, layer: usize, experts: &[usize]) -> usize {
+        match &self.source {
+            Source::Streamed(s) => s.fetch_early(layer, &self.with_blobs(layer, experts)),
+            Source::Mapped => 0,
         }
     }
 

@@ -167,8 +167,8 @@ impl StreamedStore {
 
     /// Starts reading experts that `layer` certainly needs (not cached, not already coming)
     /// before its `for_each_blob` asks for them, as needed reads.
-    pub fn fetch_early(&self, layer: usize, experts: &[(usize, usize)]) {
-        self.start(layer, experts, Priority::Needed);
+    pub fn fetch_early(&self, layer: usize, experts: &[(usize, usize)]) -> usize {
+        self.start(layer, experts, Priority::Needed)
     }
 
     /// Queues reads of those of `experts` neither cached nor already coming; returns how many.

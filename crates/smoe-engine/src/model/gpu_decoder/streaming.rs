@@ -52,6 +52,8 @@ pub(super) struct Streaming {
     /// Speculative passes, and the reads their guesses started (`SlotStats`).
     pub(super) spec_runs: AtomicU64,
     pub(super) spec_guesses: AtomicU64,
+    /// Reads a replayed routing trace started (`oracle`).
+    pub(super) oracle_reads: AtomicU64,
     /// Decode batches run through the layers whose experts sit in VRAM (`through`); `None`
     /// where its buffers could not be made.
     pub(super) through: Option<Through>,
@@ -80,6 +82,9 @@ pub struct SlotStats {
     /// (`gpu_decoder::through`), and the expert reads their guesses started.
     pub speculated: u64,
     pub spec_guesses: u64,
+    /// Reads started from a replayed routing trace (`SMOE_ROUTE_TRACE=replay:…`, a
+    /// measurement): the true experts of the next MoE layers, in place of guesses.
+    pub oracle_reads: u64,
     /// Waiting for the GPU to reach a router stop (its compute, and the submission's latency).
     pub gpu_wait_s: f64,
     /// Filling slots: reads waited for, plus the uploads below.
@@ -160,6 +165,7 @@ impl Streaming {
             through_layers: AtomicU64::new(0),
             spec_runs: AtomicU64::new(0),
             spec_guesses: AtomicU64::new(0),
+            oracle_reads: AtomicU64::new(0),
             through: None,
             clocks: None,
         }
@@ -461,6 +467,7 @@ impl GpuDecoder {
             run_through: s.through_layers.load(Ordering::Relaxed),
             speculated: s.spec_runs.load(Ordering::Relaxed),
             spec_guesses: s.spec_guesses.load(Ordering::Relaxed),
+            oracle_reads: s.oracle_reads.load(Ordering::Relaxed),
             gpu_wait_s: secs(&s.gpu_wait_ns),
             fill_s: secs(&s.fill_ns),
             upload_s: secs(&s.upload_ns),
@@ -481,6 +488,7 @@ impl GpuDecoder {
                 &s.through_layers,
                 &s.spec_runs,
                 &s.spec_guesses,
+                &s.oracle_reads,
                 &s.gpu_wait_ns,
                 &s.fill_ns,
                 &s.upload_ns,

@@ -25,6 +25,7 @@
 //! While the decoder is profiling (`--breakdown`) decode takes the stop at every MoE layer
 //! instead: its timestamps mark every step of one submission.
 
+use super::oracle::Oracle;
 use super::streaming::Streaming;
 use super::{nanos, record_head, End, GpuDecoder};
 use crate::error::EngineError;
@@ -78,6 +79,8 @@ pub(super) struct Through {
     readback: Readback,
     /// Off: every MoE layer stops for the host, as prompt batches do (`set_run_through`).
     pub(super) on: AtomicBool,
+    /// A routing trace being recorded or replayed (`oracle`).
+    oracle: Option<Oracle>,
 }
 
 /// Byte layout of `Through::readback`: status (16 bytes), chosen ids, lookahead ids.
@@ -87,14 +90,17 @@ fn chosen_bytes(cfg: &ModelConfig) -> u64 {
 
 impl Through {
     /// `max_piece`: the largest batch whose experts always fit the slots; `spec_depth`: MoE
-    /// layers a speculative pass looks ahead (0: none).
+    /// layers a speculative pass looks ahead (0: none); `oracle`: a routing trace to record or
+    /// replay (replaying, no layer halts for a lookahead guess: the oracle's replace them).
     pub(super) fn new(
         ctx: &GpuContext,
         cfg: &ModelConfig,
         acts: &Acts,
         max_piece: usize,
         spec_depth: usize,
+        oracle: Option<Oracle>,
     ) -> Result<Self, EngineError> {
+        let guesses = !oracle.as_ref().is_some_and(Oracle::replays);
         let k = cfg.num_experts_per_tok.max(1);
         let buf = |label: &str, bytes: u64, usage: wgpu::BufferUsages| {
             ctx.device.create_buffer(&wgpu::BufferDescriptor {
@@ -136,7 +142,7 @@ impl Through {
                             return Ok(None);
                         }
                         // The lookahead (`LayerOps::lookahead`) guesses the next MoE layer's.
-                        let next = cfg.moe_layers().find(|&m| m > l).filter(|_| !spec);
+                        let next = (cfg.moe_layers().find(|&m| m > l)).filter(|_| !spec && guesses);
                         let b = SlotMapBufs {
                             ids: BufRef::new(&acts.ids),
                             table: &table,
@@ -173,6 +179,7 @@ impl Through {
             spec_readback: Readback::new(ctx, chosen_bytes(cfg)),
             depth: AtomicUsize::new(spec_depth),
             on: AtomicBool::new(std::env::var("SMOE_GPU_SLOT_TABLE").as_deref() != Ok("0")),
+            oracle,
         })
     }
 
@@ -323,7 +330,16 @@ impl GpuDecoder {
             let mapped = (from..through_to).filter(|&l| maps[l].is_some());
             for l in mapped.filter(|&l| !(resume && l == from)) {
                 self.ran_through(st, l, ids_of(l))?;
+                if let Some(o) = &th.oracle {
+                    o.used(l, ids_of(l))?;
+                }
             }
+            if let Some(l) = ran.halted {
+                if let Some(o) = &th.oracle {
+                    o.used(l, ids_of(l))?;
+                }
+            }
+            self.oracle_reads(st, th, ran.halted.map(|l| (l, ids_of(l))));
             let Some(l) = ran.halted else {
                 match ahead {
                     Some(a) => {
@@ -344,7 +360,8 @@ impl GpuDecoder {
             // will choose (a better guess than the lookahead's, which then goes unused).
             let spec = self.speculate(st, th, gkv, layers, n, l, &ids);
             let lookahead = self.next_moe(l).filter(|_| !layers[l].lookahead.is_empty());
-            if let Some(next_moe) = lookahead.filter(|_| spec.is_none()) {
+            let replays = th.oracle.as_ref().is_some_and(Oracle::replays);
+            if let Some(next_moe) = lookahead.filter(|_| spec.is_none() && !replays) {
                 self.prefetch_guess(st, next_moe, &ran.guess[..n * k]);
             }
             self.experts.note_uses(l, &used);
@@ -439,6 +456,24 @@ impl GpuDecoder {
             index,
             layers: ahead,
         })
+    }
+
+    /// Replaying a routing trace: starts reading the experts that the trace's next MoE layers
+    /// choose and that no VRAM slot holds, as needed reads — after the `halted` layer's own
+    /// misses, which go first.
+    fn oracle_reads(&self, st: &Streaming, th: &Through, halted: Option<(usize, &[u32])>) {
+        let Some(o) = th.oracle.as_ref().filter(|o| o.replays()) else {
+            return;
+        };
+        if let Some((l, ids)) = halted {
+            self.experts.fetch_early(l, &st.missing(l, ids));
+        }
+        // (Up to the halted layer's next use: its fill, still to come, would drop those reads.)
+        let halted_layer = halted.map(|h| h.0);
+        for (m, ids) in o.ahead().into_iter().take_while(|e| Some(e.0) != halted_layer) {
+            let started = self.experts.fetch_early(m, &st.missing(m, &ids));
+            (st.oracle_reads).fetch_add(started as u64, Ordering::Relaxed);
+        }
     }
 
     /// Waits for a speculative pass and starts reading the experts it chose that no VRAM slot
