@@ -143,7 +143,7 @@ fn default_budget(vault: &Path) -> CacheBudget {
 pub fn print_stats(st: &StoreStats) {
     let t = &st.total;
     eprintln!(
-        "[experts: {} hits, {} misses (hit rate {:.1}%; {} of them read a layer ahead, {} guesses read and unused, {} dropped unread), {:.1} MiB read at {:.2} GB/s{}; io wait {:.3}s, compute {:.3}s; cache {:.1}/{:.1} MiB]",
+        "[experts: {} hits, {} misses (hit rate {:.1}%; {} of them read a layer ahead, {} guesses read and unused, {} dropped unread), {:.1} MiB read at {:.2} GB/s{}; {} read buffers allocated by a reader ({:.3}s); io wait {:.3}s, compute {:.3}s; cache {:.1}/{:.1} MiB]",
         t.hits,
         t.misses,
         100.0 * st.hit_rate,
@@ -153,6 +153,8 @@ pub fn print_stats(st: &StoreStats) {
         t.bytes_read as f64 / (1 << 20) as f64,
         st.read_gb_per_s,
         if st.direct_io { " direct" } else { " buffered" },
+        st.buffer_allocs,
+        st.buffer_alloc_seconds,
         t.io_wait_seconds,
         t.compute_seconds,
         st.cache_bytes as f64 / (1 << 20) as f64,

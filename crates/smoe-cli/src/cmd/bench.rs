@@ -467,6 +467,8 @@ fn decode(a: DecodeArgs) -> Result<()> {
         "read_gb_per_s": stats.as_ref().map(|s| s.read_gb_per_s),
         "cache_budget_bytes": stats.as_ref().map(|s| s.cache_budget),
         "io_wait_s": stats.as_ref().map(|s| s.total.io_wait_seconds),
+        "read_buffers_allocated_inline": stats.as_ref().map(|s| s.buffer_allocs),
+        "read_buffer_alloc_s": stats.as_ref().map(|s| s.buffer_alloc_seconds),
         "vram_slots": engine.model.vram_slot_stats(),
         "breakdown": breakdown.as_ref().map(|b| b.iter().map(|(what, n, busy, p)| breakdown_json(what, *n, busy, p)).collect::<Vec<_>>()),
     });

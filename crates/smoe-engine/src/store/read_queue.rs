@@ -10,6 +10,7 @@
 use super::aligned::AlignedBuf;
 use crate::error::EngineError;
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -64,13 +65,18 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// costs page faults and a memset (with its unmapping, about 1 ms per miss on the H200 host,
 /// measured as time the GPU path's router stops spent outside reads and uploads), and the
 /// store needs one per read: evicted cache entries, dropped guesses and failed reads come back
-/// here instead.
+/// here instead, and while the cache grows (nothing evicted to recycle) a thread of its own
+/// (`fill`) keeps spares ready, so that a reader does not stop reading to allocate.
 pub struct BufPool {
     len: usize,
     free: Mutex<Vec<AlignedBuf>>,
     keep: usize,
-    /// A reader is allocating spares (`top_up`): one at a time.
+    /// Allocating spares (`top_up`): one at a time.
     filling: std::sync::atomic::AtomicBool,
+    /// Signalled when `take` leaves fewer than half of `keep` spare.
+    low: Condvar,
+    /// Buffers `take` found no spare for and allocated itself, and the nanoseconds that took.
+    inline: (AtomicU64, AtomicU64),
 }
 
 impl BufPool {
@@ -81,12 +87,29 @@ impl BufPool {
             free: Mutex::default(),
             keep,
             filling: Default::default(),
+            low: Condvar::new(),
+            inline: Default::default(),
         }
     }
 
-    /// An idle reader's chore: allocates one spare buffer (touching its pages) while fewer than
-    /// half of `keep` wait, so that reads find their memory ready while the cache grows (no
-    /// evictions yet to recycle). False when there was nothing to do.
+    /// The spare-keeping thread's loop (`StreamedStore` starts one): `top_up` while it allocates,
+    /// otherwise wait until `take` finds the spares low. Returns once the pool is dropped.
+    pub fn fill(pool: std::sync::Weak<BufPool>) {
+        while let Some(p) = pool.upgrade() {
+            if p.top_up() {
+                continue;
+            }
+            let free = p.free();
+            if free.len() >= p.keep / 2 {
+                // (A timeout, so that a dropped pool is noticed.)
+                let _ = p.low.wait_timeout(free, std::time::Duration::from_millis(100));
+            }
+        }
+    }
+
+    /// Allocates one spare buffer (touching its pages) while fewer than half of `keep` wait,
+    /// so that reads find their memory ready while the cache grows (no evictions yet to
+    /// recycle). False when there was nothing to do.
     pub fn top_up(&self) -> bool {
         use std::sync::atomic::Ordering;
         if self.free().len() >= self.keep / 2 || self.filling.swap(true, Ordering::Acquire) {
@@ -107,8 +130,34 @@ impl BufPool {
 
     /// A buffer (its old contents are overwritten by the read), or None when out of memory.
     pub fn take(&self) -> Option<AlignedBuf> {
-        let reused = self.free().pop();
-        reused.or_else(|| AlignedBuf::new(self.len))
+        let reused = {
+            let mut free = self.free();
+            let b = free.pop();
+            if free.len() < self.keep / 2 {
+                self.low.notify_one();
+            }
+            b
+        };
+        reused.or_else(|| {
+            let t = Instant::now();
+            let b = AlignedBuf::new(self.len);
+            self.inline.0.fetch_add(1, Ordering::Relaxed);
+            let ns = t.elapsed().as_nanos() as u64;
+            self.inline.1.fetch_add(ns, Ordering::Relaxed);
+            b
+        })
+    }
+
+    /// Buffers `take` allocated itself (no spare was ready), and the seconds that took: time
+    /// a reader spent not reading.
+    pub fn inline_allocs(&self) -> (u64, f64) {
+        let (n, ns) = &self.inline;
+        (n.load(Ordering::Relaxed), ns.load(Ordering::Relaxed) as f64 * 1e-9)
+    }
+
+    pub fn reset_inline_allocs(&self) {
+        self.inline.0.store(0, Ordering::Relaxed);
+        self.inline.1.store(0, Ordering::Relaxed);
     }
 
     pub fn give(&self, buf: AlignedBuf) {
@@ -470,15 +519,6 @@ impl ReadQueue {
         }
     }
 
-    /// As `pop`, without waiting: None when there is nothing to read now (or closed).
-    pub fn try_pop(&self) -> Option<Taken> {
-        let mut q = self.state();
-        match q.closed {
-            true => None,
-            false => self.next(&mut q),
-        }
-    }
-
     fn next(&self, q: &mut QueueState) -> Option<Taken> {
         if let Some(read) = q.needed.pop_front() {
             return Some(Taken {
@@ -632,7 +672,7 @@ mod tests {
     #[test]
     fn buffers_of_reads_not_handed_on_go_back_to_the_pool() {
         let pool = Arc::new(BufPool::new(2 * KIB16, 2));
-        assert!(pool.top_up(), "an idle reader allocates a spare");
+        assert!(pool.top_up(), "a spare is allocated");
         assert!(!pool.top_up(), "up to half of `keep`");
         let r = read_in(&pool, 1, Priority::Guess);
         assert!(matches!(r.abandon(), Abandoned::Cancelled));
@@ -658,5 +698,27 @@ mod tests {
         pool.give(AlignedBuf::new(2 * KIB16).unwrap());
         pool.give(AlignedBuf::new(2 * KIB16).unwrap());
         assert_eq!(pool.spare(), 2, "at most `keep` wait");
+        assert_eq!(pool.inline_allocs().0, 0, "every take found a spare");
+    }
+
+    #[test]
+    fn the_pools_thread_keeps_spares_ready_and_ends_with_the_pool() {
+        let pool = Arc::new(BufPool::new(KIB16, 8));
+        let weak = Arc::downgrade(&pool);
+        let filler = std::thread::spawn(move || BufPool::fill(weak));
+        let ready = |n: usize| {
+            let until = Instant::now() + std::time::Duration::from_secs(10);
+            while pool.spare() < n && Instant::now() < until {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            pool.spare()
+        };
+        assert_eq!(ready(4), 4, "half of `keep` allocated ahead");
+        let taken: Vec<_> = (0..4).map(|_| pool.take().unwrap()).collect();
+        assert_eq!(ready(4), 4, "refilled after the takes");
+        assert_eq!(pool.inline_allocs().0, 0);
+        drop(taken);
+        drop(pool);
+        filler.join().unwrap();
     }
 }

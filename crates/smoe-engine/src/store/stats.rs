@@ -42,6 +42,10 @@ pub struct StoreStats {
     /// Bytes read ÷ time the reader threads were busy (aggregate throughput of the device).
     pub read_gb_per_s: f64,
     pub cache_bytes: u64,
+    /// Read buffers a reader had to allocate itself (no spare was ready), and the seconds it
+    /// spent on that instead of reading.
+    pub buffer_allocs: u64,
+    pub buffer_alloc_seconds: f64,
     pub cache_budget: u64,
     pub direct_io: bool,
     pub per_layer: Vec<LayerStats>,

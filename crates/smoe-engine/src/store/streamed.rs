@@ -69,13 +69,18 @@ impl StreamedStore {
             cache: Mutex::new(ExpertCache::new(budget, cfg.num_layers * cfg.num_experts)),
             stats: Mutex::new(stats),
             queue: Arc::new(ReadQueue::new(guess_readers(threads))),
-            // Enough for a layer's misses and guesses between two evictions.
-            pool: Arc::new(BufPool::new(x.blob_stride as usize, 32)),
+            // Enough for a few layers' misses and guesses between two evictions.
+            pool: Arc::new(BufPool::new(x.blob_stride as usize, 64)),
             reader: Arc::new(reader),
             busy: Mutex::new((0.0, 0, None)),
             prefetched: Mutex::new(HashMap::new()),
             deferred: Mutex::new(None),
         });
+        let pool = Arc::downgrade(&store.pool);
+        std::thread::Builder::new()
+            .name("smoe-read-buffers".into())
+            .spawn(move || BufPool::fill(pool))
+            .map_err(|e| EngineError::Invalid(format!("cannot start reader threads: {e}")))?;
         for i in 0..threads {
             let (queue, weak) = (store.queue.clone(), Arc::downgrade(&store));
             std::thread::Builder::new()
@@ -334,6 +339,7 @@ impl StreamedStore {
         let busy = self.busy.lock().unwrap().0;
         st.cache_bytes = self.cache.lock().unwrap().used();
         st.direct_io = self.reader.is_direct();
+        (st.buffer_allocs, st.buffer_alloc_seconds) = self.pool.inline_allocs();
         st.finish(busy);
         st
     }
@@ -341,6 +347,7 @@ impl StreamedStore {
     pub fn reset_stats(&self) {
         self.stats.lock().unwrap().reset();
         self.busy.lock().unwrap().0 = 0.0;
+        self.pool.reset_inline_allocs();
     }
 
     /// A lookahead read the layer did not need: cached (not pinned) if the read succeeded and
@@ -381,24 +388,14 @@ impl StreamedStore {
     }
 }
 
-/// A reader thread: reads pieces until the store is dropped; with nothing to read, allocates
-/// spare read buffers.
+/// A reader thread: reads pieces until the store is dropped. (Spare read buffers come from
+/// the pool's own thread, `BufPool::fill`: readers that allocated them only while idle had to
+/// allocate inline, not reading meanwhile, whenever reads ahead kept them all busy.)
 fn worker(queue: Arc<ReadQueue>, store: std::sync::Weak<StreamedStore>) {
     loop {
-        let taken = match queue.try_pop() {
-            Some(taken) => taken,
-            None => {
-                match store.upgrade() {
-                    Some(store) if store.pool.top_up() => continue,
-                    Some(_) => {}
-                    None => return,
-                }
-                // (Not holding the store while waiting: it may be dropped meanwhile.)
-                match queue.pop() {
-                    Some(taken) => taken,
-                    None => return,
-                }
-            }
+        // (Not holding the store while waiting: it may be dropped meanwhile.)
+        let Some(taken) = queue.pop() else {
+            return;
         };
         let Some(store) = store.upgrade() else { return };
         store.read_piece(&taken.read);
