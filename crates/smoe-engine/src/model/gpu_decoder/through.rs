@@ -100,8 +100,7 @@ impl Through {
         spec_depth: usize,
         oracle: Option<Oracle>,
     ) -> Result<Self, EngineError> {
-        let guesses = !oracle.as_ref().is_some_and(Oracle::replays)
-            && std::env::var("SMOE_GPU_GUESS_HALTS").as_deref() != Ok("0");
+        let guesses = !oracle.as_ref().is_some_and(Oracle::replays);
         let k = cfg.num_experts_per_tok.max(1);
         let buf = |label: &str, bytes: u64, usage: wgpu::BufferUsages| {
             ctx.device.create_buffer(&wgpu::BufferDescriptor {
