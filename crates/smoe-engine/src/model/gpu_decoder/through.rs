@@ -91,7 +91,8 @@ fn chosen_bytes(cfg: &ModelConfig) -> u64 {
 impl Through {
     /// `max_piece`: the largest batch whose experts always fit the slots; `spec_depth`: MoE
     /// layers a speculative pass looks ahead (0: none); `oracle`: a routing trace to record or
-    /// replay (replaying, no layer halts for a lookahead guess: the oracle's replace them).
+    /// replay (replaying, no layer halts for a lookahead guess: the oracle's reads replace
+    /// those guesses).
     pub(super) fn new(
         ctx: &GpuContext,
         cfg: &ModelConfig,
