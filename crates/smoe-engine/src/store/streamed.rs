@@ -69,8 +69,9 @@ impl StreamedStore {
             cache: Mutex::new(ExpertCache::new(budget, cfg.num_layers * cfg.num_experts)),
             stats: Mutex::new(stats),
             queue: Arc::new(ReadQueue::new(guess_readers(threads))),
-            // Enough for a few layers' misses and guesses between two evictions.
-            pool: Arc::new(BufPool::new(x.blob_stride as usize, 64)),
+            // Enough for a few layers' misses and guesses between two evictions (64 blobs of
+            // the 30B's 2.6 MiB), but at most 256 MiB waiting, half of it kept ready.
+            pool: Arc::new(BufPool::new(x.blob_stride as usize, pool_keep(x.blob_stride))),
             reader: Arc::new(reader),
             busy: Mutex::new((0.0, 0, None)),
             prefetched: Mutex::new(HashMap::new()),
@@ -388,6 +389,11 @@ impl StreamedStore {
     }
 }
 
+/// Read buffers the pool keeps for reuse: 64, or as many as fit 256 MiB, at least 8.
+fn pool_keep(blob_stride: u64) -> usize {
+    ((256u64 << 20) / blob_stride.max(1)).clamp(8, 64) as usize
+}
+
 /// A reader thread: reads pieces until the store is dropped. (Spare read buffers come from
 /// the pool's own thread, `BufPool::fill`: readers that allocated them only while idle had to
 /// allocate inline, not reading meanwhile, whenever reads ahead kept them all busy.)
@@ -408,4 +414,18 @@ fn worker(queue: Arc<ReadQueue>, store: std::sync::Weak<StreamedStore>) {
 /// needed read waits, few enough that a needed read finds at most that many pieces ahead of it.
 fn guess_readers(threads: usize) -> usize {
     threads.div_ceil(4)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pool_keep;
+
+    #[test]
+    fn the_read_buffer_pool_is_bounded_by_bytes() {
+        // Qwen3-30B-A3B's q4 blobs (2.6 MiB): 64; 235B-A22B's (10.6 MiB): what 256 MiB holds.
+        assert_eq!(pool_keep(2_654_208), 64);
+        assert_eq!(pool_keep(10_616_832), 25);
+        assert_eq!(pool_keep(1 << 30), 8);
+        assert_eq!(pool_keep(0), 64);
+    }
 }
