@@ -254,7 +254,13 @@ fn a_replayed_routing_trace_reads_ahead_and_changes_no_token() {
         path: trace.clone(),
         depth: 3,
     };
-    let e = open_traced(&v.0, CacheBudget::Bytes(0), DEFAULT_READ_PIECE, true, Some(replay));
+    let e = open_traced(
+        &v.0,
+        CacheBudget::Bytes(0),
+        DEFAULT_READ_PIECE,
+        true,
+        Some(replay),
+    );
     let Model::Gpu(g) = &e.model else {
         unreachable!()
     };

@@ -102,7 +102,9 @@ impl BufPool {
             let free = p.free();
             if free.len() >= p.keep / 2 {
                 // (A timeout, so that a dropped pool is noticed.)
-                let _ = p.low.wait_timeout(free, std::time::Duration::from_millis(100));
+                let _ = p
+                    .low
+                    .wait_timeout(free, std::time::Duration::from_millis(100));
             }
         }
     }
@@ -152,7 +154,10 @@ impl BufPool {
     /// a reader spent not reading.
     pub fn inline_allocs(&self) -> (u64, f64) {
         let (n, ns) = &self.inline;
-        (n.load(Ordering::Relaxed), ns.load(Ordering::Relaxed) as f64 * 1e-9)
+        (
+            n.load(Ordering::Relaxed),
+            ns.load(Ordering::Relaxed) as f64 * 1e-9,
+        )
     }
 
     pub fn reset_inline_allocs(&self) {

@@ -71,7 +71,10 @@ impl StreamedStore {
             queue: Arc::new(ReadQueue::new(guess_readers(threads))),
             // Enough for a few layers' misses and guesses between two evictions (64 blobs of
             // the 30B's 2.6 MiB), but at most 256 MiB waiting, half of it kept ready.
-            pool: Arc::new(BufPool::new(x.blob_stride as usize, pool_keep(x.blob_stride))),
+            pool: Arc::new(BufPool::new(
+                x.blob_stride as usize,
+                pool_keep(x.blob_stride),
+            )),
             reader: Arc::new(reader),
             busy: Mutex::new((0.0, 0, None)),
             prefetched: Mutex::new(HashMap::new()),

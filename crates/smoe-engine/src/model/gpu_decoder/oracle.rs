@@ -83,9 +83,9 @@ impl Oracle {
             EngineError::Invalid(format!("route trace {}: {e}", p.display()))
         };
         Ok(match t {
-            RouteTrace::Record(p) => Oracle::Record(Mutex::new(
-                std::fs::File::create(p).map_err(|e| io(p, e))?,
-            )),
+            RouteTrace::Record(p) => {
+                Oracle::Record(Mutex::new(std::fs::File::create(p).map_err(|e| io(p, e))?))
+            }
             RouteTrace::Replay { path, depth } => {
                 let text = std::fs::read_to_string(path).map_err(|e| io(path, e))?;
                 let events = parse_events(&text).map_err(|m| {

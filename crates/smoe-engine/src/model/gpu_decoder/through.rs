@@ -471,7 +471,11 @@ impl GpuDecoder {
         }
         // (Up to the halted layer's next use: its fill, still to come, would drop those reads.)
         let halted_layer = halted.map(|h| h.0);
-        for (m, ids) in o.ahead().into_iter().take_while(|e| Some(e.0) != halted_layer) {
+        for (m, ids) in o
+            .ahead()
+            .into_iter()
+            .take_while(|e| Some(e.0) != halted_layer)
+        {
             let started = self.experts.fetch_early(m, &st.missing(m, &ids));
             (st.oracle_reads).fetch_add(started as u64, Ordering::Relaxed);
         }
