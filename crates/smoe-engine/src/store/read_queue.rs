@@ -71,8 +71,6 @@ pub struct BufPool {
     len: usize,
     free: Mutex<Vec<AlignedBuf>>,
     keep: usize,
-    /// Allocating spares (`top_up`): one at a time.
-    filling: std::sync::atomic::AtomicBool,
     /// Signalled when `take` leaves fewer than half of `keep` spare.
     low: Condvar,
     /// Buffers `take` found no spare for and allocated itself, and the nanoseconds that took.
@@ -86,7 +84,6 @@ impl BufPool {
             len,
             free: Mutex::default(),
             keep,
-            filling: Default::default(),
             low: Condvar::new(),
             inline: Default::default(),
         }
@@ -99,12 +96,15 @@ impl BufPool {
             if p.top_up() {
                 continue;
             }
+            // (Timeouts, so that a dropped pool is noticed.)
+            let wait = std::time::Duration::from_millis(100);
             let free = p.free();
             if free.len() >= p.keep / 2 {
-                // (A timeout, so that a dropped pool is noticed.)
-                let _ = p
-                    .low
-                    .wait_timeout(free, std::time::Duration::from_millis(100));
+                let _ = p.low.wait_timeout(free, wait);
+            } else {
+                // Out of memory: try again later rather than spin.
+                drop(free);
+                std::thread::sleep(wait);
             }
         }
     }
@@ -113,8 +113,7 @@ impl BufPool {
     /// so that reads find their memory ready while the cache grows (no evictions yet to
     /// recycle). False when there was nothing to do.
     pub fn top_up(&self) -> bool {
-        use std::sync::atomic::Ordering;
-        if self.free().len() >= self.keep / 2 || self.filling.swap(true, Ordering::Acquire) {
+        if self.free().len() >= self.keep / 2 {
             return false;
         }
         let buf = AlignedBuf::new(self.len);
@@ -122,7 +121,6 @@ impl BufPool {
         if let Some(buf) = buf {
             self.give(buf);
         }
-        self.filling.store(false, Ordering::Release);
         made
     }
 

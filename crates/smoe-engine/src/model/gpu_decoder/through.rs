@@ -184,6 +184,11 @@ impl Through {
         })
     }
 
+    /// Whether a routing trace is replayed: its reads replace the lookahead's guesses.
+    fn replays(&self) -> bool {
+        self.oracle.as_ref().is_some_and(Oracle::replays)
+    }
+
     /// The slot maps of a batch of n tokens (a power of two), where such a batch runs through.
     pub(super) fn maps(&self, n: usize) -> Option<&[Option<Op>]> {
         let maps = self.maps.get(n.trailing_zeros() as usize)?;
@@ -328,15 +333,13 @@ impl GpuDecoder {
             // The MoE layers whose experts ran from VRAM without the host (a resumed layer
             // was counted at its stop).
             let through_to = ran.halted.unwrap_or(to);
-            let mapped = (from..through_to).filter(|&l| maps[l].is_some());
-            for l in mapped.filter(|&l| !(resume && l == from)) {
+            let ran_through =
+                || (from..through_to).filter(|&l| maps[l].is_some() && !(resume && l == from));
+            for l in ran_through() {
                 self.ran_through(st, l, ids_of(l))?;
-                if let Some(o) = &th.oracle {
-                    o.used(l, ids_of(l))?;
-                }
             }
-            if let Some(l) = ran.halted {
-                if let Some(o) = &th.oracle {
+            if let Some(o) = &th.oracle {
+                for l in ran_through().chain(ran.halted) {
                     o.used(l, ids_of(l))?;
                 }
             }
@@ -361,8 +364,7 @@ impl GpuDecoder {
             // will choose (a better guess than the lookahead's, which then goes unused).
             let spec = self.speculate(st, th, gkv, layers, n, l, &ids);
             let lookahead = self.next_moe(l).filter(|_| !layers[l].lookahead.is_empty());
-            let replays = th.oracle.as_ref().is_some_and(Oracle::replays);
-            if let Some(next_moe) = lookahead.filter(|_| spec.is_none() && !replays) {
+            if let Some(next_moe) = lookahead.filter(|_| spec.is_none() && !th.replays()) {
                 self.prefetch_guess(st, next_moe, &ran.guess[..n * k]);
             }
             self.experts.note_uses(l, &used);
@@ -463,7 +465,7 @@ impl GpuDecoder {
     /// choose and that no VRAM slot holds, as needed reads — after the `halted` layer's own
     /// misses, which go first.
     fn oracle_reads(&self, st: &Streaming, th: &Through, halted: Option<(usize, &[u32])>) {
-        let Some(o) = th.oracle.as_ref().filter(|o| o.replays()) else {
+        let Some(o) = th.oracle.as_ref().filter(|_| th.replays()) else {
             return;
         };
         if let Some((l, ids)) = halted {
