@@ -160,6 +160,13 @@ pub fn print_stats(st: &StoreStats) {
         st.cache_bytes as f64 / (1 << 20) as f64,
         st.cache_budget as f64 / (1 << 20) as f64,
     );
+    if let Some(r) = st.lookahead_recall {
+        eprintln!(
+            "[lookahead: named {:.1}% of the {} experts the layers used (the next MoE layer's router on this layer's input)]",
+            100.0 * r,
+            t.lookahead_checked
+        );
+    }
     for (l, s) in st
         .per_layer
         .iter()

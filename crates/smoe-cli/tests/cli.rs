@@ -496,6 +496,55 @@ fn synth_bench_and_profile() {
     );
 }
 
+/// The CPU decoder scores its lookahead (the next MoE layer's router on this layer's input)
+/// against the routing that follows: far better than chance (top-4 of 16 experts: 25 %).
+#[test]
+fn bench_reports_the_lookahead_recall() {
+    let d = tmp("recall");
+    let v = d.join("s.smoe");
+    let vs = v.to_str().unwrap();
+    let out = smoe(&["synth", "--preset", "tiny", "-o", vs]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bench = |cache: &str| {
+        let out = smoe(&[
+            "bench",
+            "decode",
+            "-m",
+            vs,
+            "--tg",
+            "24",
+            "--pp",
+            "0",
+            "--reps",
+            "1",
+            "--expert-cache",
+            cache,
+            "--backend",
+            "cpu",
+            "--no-profile",
+            "--json",
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let r = bench("25%");
+    let recall = r["lookahead_recall"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{r}"));
+    assert!(recall > 0.5 && recall <= 1.0, "{r}");
+    // Resident experts make no guesses.
+    let r = bench("resident");
+    assert!(r["lookahead_recall"].is_null(), "{r}");
+}
+
 /// `smoe bench serve` drives a real server at each client count and reports the ratio.
 #[test]
 fn bench_serve_reports_each_client_count() {

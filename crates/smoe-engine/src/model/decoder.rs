@@ -324,8 +324,8 @@ impl Decoder {
     /// Lookahead: the next MoE layer's router applied to this layer's input predicts its experts
     /// well (the residual stream changes little per layer), so their reads can start as soon as
     /// this layer's own misses are queued, and overlap this layer's reads and compute. Only a
-    /// prediction: the real routing happens there.
-    fn prefetch_next(&self, l: usize, t: usize, s: &Scratch) {
+    /// prediction: the real routing happens there (which scores it: `note_lookahead`).
+    fn prefetch_next(&self, l: usize, t: usize, s: &mut Scratch) {
         let c = &self.cfg;
         let Some((n, router)) =
             self.layers
@@ -350,6 +350,7 @@ impl Decoder {
         }
         let experts: Vec<usize> = (0..ne).filter(|&e| want[e]).collect();
         self.experts.prefetch_after(n, &experts);
+        s.guess = Some((n, experts));
     }
 
     /// Routes every token to its top-k experts, then runs each used expert once over the tokens
@@ -365,12 +366,15 @@ impl Decoder {
                 by_expert[e].push((i, w));
             }
         }
-        if self.experts.is_streaming() {
-            self.prefetch_next(l, t, s);
-        }
         // Experts may arrive in any order (cache hits first, then finished reads); their outputs
         // are summed in expert order so the tokens never depend on the cache.
         let used: Vec<usize> = (0..ne).filter(|&e| !by_expert[e].is_empty()).collect();
+        if self.experts.is_streaming() {
+            if let Some((_, guess)) = s.guess.take().filter(|(n, _)| *n == l) {
+                self.experts.note_lookahead(l, &guess, &used);
+            }
+            self.prefetch_next(l, t, s);
+        }
         let mut outs: Vec<Vec<f32>> = vec![vec![]; ne];
         let x = &s.h;
         self.experts.for_each(l, &used, &mut |e, ex| {

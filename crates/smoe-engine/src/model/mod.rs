@@ -27,6 +27,8 @@ pub struct Scratch {
     pub v: Vec<f32>,
     pub attn: Vec<f32>,
     pub o: Vec<f32>,
+    /// The last lookahead guess while streaming: a later MoE layer and the experts it named.
+    pub guess: Option<(usize, Vec<usize>)>,
 }
 
 /// A vault tensor as a matrix for the kernels (a vector is one row).

@@ -319,6 +319,15 @@ impl Experts {
         }
     }
 
+    /// Scores a lookahead guess of `layer`'s experts against the `used` ones (streaming only):
+    /// `--stats`' lookahead recall.
+    pub fn note_lookahead(&self, layer: usize, guess: &[usize], used: &[usize]) {
+        if let Source::Streamed(s) = &self.source {
+            let named = used.iter().filter(|e| guess.contains(e)).count();
+            s.note_lookahead(layer, used.len(), named);
+        }
+    }
+
     /// Marks the end of a forward pass (ages the cache's use counts).
     pub fn tick(&self) {
         if let Source::Streamed(s) = &self.source {

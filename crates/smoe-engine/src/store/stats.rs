@@ -19,6 +19,11 @@ pub struct LayerStats {
     pub io_wait_seconds: f64,
     /// Time spent computing this layer's experts.
     pub compute_seconds: f64,
+    /// Experts this layer used while a lookahead guess for it existed (the CPU decoder's), and
+    /// how many of them the guess named: how well one layer's input predicts the next layer's
+    /// routing, whatever the cache held.
+    pub lookahead_checked: u64,
+    pub lookahead_named: u64,
 }
 
 impl LayerStats {
@@ -32,6 +37,8 @@ impl LayerStats {
         self.read_seconds += o.read_seconds;
         self.io_wait_seconds += o.io_wait_seconds;
         self.compute_seconds += o.compute_seconds;
+        self.lookahead_checked += o.lookahead_checked;
+        self.lookahead_named += o.lookahead_named;
     }
 }
 
@@ -39,6 +46,9 @@ impl LayerStats {
 pub struct StoreStats {
     pub total: LayerStats,
     pub hit_rate: f64,
+    /// Of the experts the layers used, the share the previous MoE layer's lookahead named
+    /// (`lookahead_named / lookahead_checked`; None where nothing was checked).
+    pub lookahead_recall: Option<f64>,
     /// Bytes read ÷ time the reader threads were busy (aggregate throughput of the device).
     pub read_gb_per_s: f64,
     pub cache_bytes: u64,
@@ -76,6 +86,8 @@ impl StoreStats {
         } else {
             0.0
         };
+        self.lookahead_recall = (t.lookahead_checked > 0)
+            .then(|| t.lookahead_named as f64 / t.lookahead_checked as f64);
         self.total = t;
     }
 

@@ -337,6 +337,14 @@ impl StreamedStore {
         self.cache.lock().unwrap().tick();
     }
 
+    /// Counts, for `layer`, `used` experts checked against a lookahead guess and `named` of them
+    /// that it named.
+    pub fn note_lookahead(&self, layer: usize, used: usize, named: usize) {
+        let mut st = self.stats.lock().unwrap();
+        st.per_layer[layer].lookahead_checked += used as u64;
+        st.per_layer[layer].lookahead_named += named as u64;
+    }
+
     /// Stats so far, with totals and the cache's current size.
     pub fn stats(&self) -> StoreStats {
         let mut st = self.stats.lock().unwrap().clone();
