@@ -89,7 +89,7 @@ impl StoreArgs {
                 0.0
             };
             eprintln!(
-                "[VRAM expert slots: {} hits, {} misses ({rate:.1}% hit rate); passes {:.3}s: GPU wait {:.3}s, filling slots {:.3}s (uploads {:.3}s) at {} router stops ({} found every expert in VRAM), {} MoE layers ran through without one; {} speculative passes started {} reads{}; filled {}; GPU clocks {}; the line below is the host store behind them]",
+                "[VRAM expert slots: {} hits, {} misses ({rate:.1}% hit rate); passes {:.3}s: GPU wait {:.3}s, filling slots {:.3}s (uploads {:.3}s) at {} router stops ({} found every expert in VRAM), {} MoE layers ran through without one; {} speculative passes started {} reads{}{}; filled {}; GPU clocks {}; the line below is the host store behind them]",
                 v.hits,
                 v.misses,
                 v.pass_s,
@@ -101,6 +101,10 @@ impl StoreArgs {
                 v.run_through,
                 v.speculated,
                 v.spec_guesses,
+                match v.spec_recall {
+                    Some(r) => format!(" (named {:.1}% of the experts those layers used)", 100.0 * r),
+                    None => String::new(),
+                },
                 match v.oracle_reads {
                     0 => String::new(),
                     n => format!("; a replayed routing trace started {n} reads"),

@@ -123,6 +123,13 @@ fn gpu_tokens_do_not_depend_on_the_expert_cache() {
             );
             if budget == CacheBudget::Bytes(0) {
                 assert!(speculated > 0, "{name}: no speculative pass");
+                // Its guesses, and the lookahead router's, are scored against the routing
+                // that follows.
+                let spec = after.spec_recall.expect("speculative guesses scored");
+                let ahead = (e.model.experts().stats().unwrap().lookahead_recall)
+                    .expect("lookahead guesses scored");
+                eprintln!("{name}: recall speculative {spec:.3}, lookahead {ahead:.3}");
+                assert!((0.0..=1.0).contains(&spec) && (0.0..=1.0).contains(&ahead));
             }
             g.set_speculate(0);
             eprintln!("{name} {budget:?}: {through} MoE layers ran through");
@@ -219,6 +226,7 @@ fn gpu_tokens_do_not_depend_on_the_expert_cache() {
                 n.into_iter().chain([s.speculated, s.spec_guesses])
             };
             assert!(counts(&z).all(|c| c == 0), "{name} {budget:?}: reset");
+            assert!(z.spec_recall.is_none());
             assert!(counts(&kept).any(|c| c != 0));
         }
     }

@@ -462,6 +462,7 @@ fn decode(a: DecodeArgs) -> Result<()> {
         "lookahead_unused": stats.as_ref().map(|s| s.total.prefetch_wasted),
         "lookahead_dropped": stats.as_ref().map(|s| s.total.prefetch_cancelled),
         "lookahead_recall": stats.as_ref().and_then(|s| s.lookahead_recall),
+        "speculative_recall": engine.model.vram_slot_stats().and_then(|v| v.spec_recall),
         "io_bound_tok_per_s": io_bound,
         "decode_over_io_bound": io_bound.map(|b| tg / b),
         "hit_rate": stats.as_ref().map(|s| s.hit_rate),

@@ -52,6 +52,10 @@ pub(super) struct Streaming {
     /// Speculative passes, and the reads their guesses started (`SlotStats`).
     pub(super) spec_runs: AtomicU64,
     pub(super) spec_guesses: AtomicU64,
+    /// Experts decode layers used that a speculative pass had guessed for them, and how many
+    /// of those the pass named (`SlotStats::spec_recall`).
+    pub(super) spec_checked: AtomicU64,
+    pub(super) spec_named: AtomicU64,
     /// Reads a replayed routing trace started (`oracle`).
     pub(super) oracle_reads: AtomicU64,
     /// Decode batches run through the layers whose experts sit in VRAM (`through`); `None`
@@ -82,6 +86,9 @@ pub struct SlotStats {
     /// (`gpu_decoder::through`), and the expert reads their guesses started.
     pub speculated: u64,
     pub spec_guesses: u64,
+    /// Of the experts decode layers used after a speculative pass had guessed them, the share
+    /// it named (None: no pass guessed a layer that then ran).
+    pub spec_recall: Option<f64>,
     /// Reads started from a replayed routing trace (`SMOE_ROUTE_TRACE=replay:…`, a
     /// measurement): the true experts of the next MoE layers, in place of guesses.
     pub oracle_reads: u64,
@@ -115,7 +122,7 @@ pub(super) struct SlotTable {
 }
 
 /// The distinct values of `ids`, ascending.
-fn distinct(ids: &[u32]) -> Vec<u32> {
+pub(super) fn distinct(ids: &[u32]) -> Vec<u32> {
     let mut v = ids.to_vec();
     v.sort_unstable();
     v.dedup();
@@ -165,6 +172,8 @@ impl Streaming {
             through_layers: AtomicU64::new(0),
             spec_runs: AtomicU64::new(0),
             spec_guesses: AtomicU64::new(0),
+            spec_checked: AtomicU64::new(0),
+            spec_named: AtomicU64::new(0),
             oracle_reads: AtomicU64::new(0),
             through: None,
             clocks: None,
@@ -467,6 +476,10 @@ impl GpuDecoder {
             run_through: s.through_layers.load(Ordering::Relaxed),
             speculated: s.spec_runs.load(Ordering::Relaxed),
             spec_guesses: s.spec_guesses.load(Ordering::Relaxed),
+            spec_recall: match s.spec_checked.load(Ordering::Relaxed) {
+                0 => None,
+                c => Some(s.spec_named.load(Ordering::Relaxed) as f64 / c as f64),
+            },
             oracle_reads: s.oracle_reads.load(Ordering::Relaxed),
             gpu_wait_s: secs(&s.gpu_wait_ns),
             fill_s: secs(&s.fill_ns),
@@ -488,6 +501,8 @@ impl GpuDecoder {
                 &s.through_layers,
                 &s.spec_runs,
                 &s.spec_guesses,
+                &s.spec_checked,
+                &s.spec_named,
                 &s.oracle_reads,
                 &s.gpu_wait_ns,
                 &s.fill_ns,

@@ -26,7 +26,7 @@
 //! instead: its timestamps mark every step of one submission.
 
 use super::oracle::Oracle;
-use super::streaming::Streaming;
+use super::streaming::{distinct, Streaming};
 use super::{nanos, record_head, End, GpuDecoder};
 use crate::error::EngineError;
 use crate::gpu::{Acts, GpuKv, Head, LayerOps, Op, Readback, Recorder, GEMM_MIN};
@@ -301,6 +301,8 @@ impl GpuDecoder {
             (enc, (from, resume, to), bytes, recording.elapsed())
         };
         q.write_buffer(&th.status, 0, &[0; 16]);
+        // Guesses the host read from, scored once their layer has run: (layer, ids, speculative).
+        let mut guesses: Vec<(usize, Vec<u32>, bool)> = vec![];
         let mut next = record(&mut args, 0, false);
         // The window after `next`, when it was recorded before `next` (a resumed window).
         let mut following = None;
@@ -343,6 +345,9 @@ impl GpuDecoder {
                     o.used(l, ids_of(l))?;
                 }
             }
+            for l in ran_through().chain(ran.halted) {
+                self.score_guesses(st, &mut guesses, l, ids_of(l));
+            }
             self.oracle_reads(st, th, ran.halted.map(|l| (l, ids_of(l))));
             let Some(l) = ran.halted else {
                 match ahead {
@@ -364,24 +369,29 @@ impl GpuDecoder {
             // will choose (a better guess than the lookahead's, which then goes unused).
             let spec = self.speculate(st, th, gkv, layers, n, l, &ids);
             let lookahead = self.next_moe(l).filter(|_| !layers[l].lookahead.is_empty());
-            if let Some(next_moe) = lookahead.filter(|_| spec.is_none() && !th.replays()) {
-                self.prefetch_guess(st, next_moe, &ran.guess[..n * k]);
+            if let Some(next_moe) = lookahead.filter(|_| !th.replays()) {
+                guesses.push((next_moe, ran.guess[..n * k].to_vec(), false));
+                if spec.is_none() {
+                    self.prefetch_guess(st, next_moe, &ran.guess[..n * k]);
+                }
             }
             self.experts.note_uses(l, &used);
             // The resumed window is recorded while the slots fill (it reads the ids written
             // below when it runs). The fill maps this layer's slots, which a speculative pass
             // reads: it waits for that pass anyway, and starts its guesses' reads first.
             let counts: &mut [IndirectArgs; 2] = &mut args;
-            let (resumed, slots) = rayon::join(
+            let (resumed, filled) = rayon::join(
                 || record(counts, l, true),
                 || {
-                    if let Some(spec) = spec {
-                        self.spec_guesses(st, th, spec, n)?;
-                    }
-                    self.fill_stop(st, l, &ids, None)
+                    let spec = match spec {
+                        Some(spec) => self.spec_guesses(st, th, spec, n)?,
+                        None => vec![],
+                    };
+                    Ok::<_, EngineError>((spec, self.fill_stop(st, l, &ids, None)?))
                 },
             );
-            let slots = slots?;
+            let (spec, slots) = filled?;
+            guesses.extend(spec.into_iter().map(|(m, ids)| (m, ids, true)));
             st.fill_ns
                 .fetch_add(nanos(filling.elapsed()), Ordering::Relaxed);
             q.write_buffer(&self.acts.ids, 0, bytemuck::cast_slice(&slots));
@@ -483,25 +493,56 @@ impl GpuDecoder {
         }
     }
 
+    /// Scores the guesses for MoE layer `l` against the `ids` it chose, and drops them: the
+    /// lookahead router's in the store's lookahead recall, a speculative pass's in
+    /// `SlotStats::spec_recall`.
+    fn score_guesses(
+        &self,
+        st: &Streaming,
+        guesses: &mut Vec<(usize, Vec<u32>, bool)>,
+        l: usize,
+        ids: &[u32],
+    ) {
+        let used: Vec<usize> = distinct(ids).into_iter().map(|e| e as usize).collect();
+        guesses.retain(|(m, guess, spec)| {
+            if *m != l {
+                return true;
+            }
+            let guess: Vec<usize> = guess.iter().map(|&e| e as usize).collect();
+            match spec {
+                false => self.experts.note_lookahead(l, &guess, &used),
+                true => {
+                    let named = used.iter().filter(|e| guess.contains(e)).count();
+                    (st.spec_checked).fetch_add(used.len() as u64, Ordering::Relaxed);
+                    (st.spec_named).fetch_add(named as u64, Ordering::Relaxed);
+                }
+            }
+            false
+        });
+    }
+
     /// Waits for a speculative pass and starts reading the experts it chose that no VRAM slot
-    /// of their layer holds (as lookahead guesses: after any read a layer waits for).
+    /// of their layer holds (as lookahead guesses: after any read a layer waits for). Returns
+    /// each layer's guessed ids.
     fn spec_guesses(
         &self,
         st: &Streaming,
         th: &Through,
         spec: Spec,
         n: usize,
-    ) -> Result<(), EngineError> {
+    ) -> Result<Vec<(usize, Vec<u32>)>, EngineError> {
         let row = MAX_N * self.acts.d.k;
         let bytes = chosen_bytes(&self.cfg);
         let chosen = (th.spec_readback).read_after(&self.ctx, Some(spec.index), bytes, |b| {
             bytemuck::cast_slice::<u8, u32>(b).to_vec()
         })?;
+        let mut guessed = vec![];
         for m in spec.layers {
-            let want = st.missing(m, &chosen[m * row..m * row + n * self.acts.d.k]);
-            let started = self.experts.prefetch(m, &want);
+            let ids = &chosen[m * row..m * row + n * self.acts.d.k];
+            let started = self.experts.prefetch(m, &st.missing(m, ids));
             (st.spec_guesses).fetch_add(started as u64, Ordering::Relaxed);
+            guessed.push((m, ids.to_vec()));
         }
-        Ok(())
+        Ok(guessed)
     }
 }
