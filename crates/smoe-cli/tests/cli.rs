@@ -12,6 +12,18 @@ fn smoe(args: &[&str]) -> Output {
         .expect("run smoe")
 }
 
+/// `smoe args`, which must succeed (its stderr in the failure message otherwise).
+fn smoe_ok(args: &[&str]) -> Output {
+    let out = smoe(args);
+    assert!(
+        out.status.success(),
+        "smoe {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
@@ -503,36 +515,12 @@ fn bench_reports_the_lookahead_recall() {
     let d = tmp("recall");
     let v = d.join("s.smoe");
     let vs = v.to_str().unwrap();
-    let out = smoe(&["synth", "--preset", "tiny", "-o", vs]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    smoe_ok(&["synth", "--preset", "tiny", "-o", vs]);
     let bench = |cache: &str| {
-        let out = smoe(&[
-            "bench",
-            "decode",
-            "-m",
-            vs,
-            "--tg",
-            "24",
-            "--pp",
-            "0",
-            "--reps",
-            "1",
-            "--expert-cache",
-            cache,
-            "--backend",
-            "cpu",
-            "--no-profile",
-            "--json",
-        ]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let args = "bench decode --tg 24 --pp 0 --reps 1 --backend cpu --no-profile --json";
+        let mut args: Vec<&str> = args.split(' ').collect();
+        args.extend(["-m", vs, "--expert-cache", cache]);
+        let out = smoe_ok(&args);
         serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
     };
     let r = bench("25%");
