@@ -168,7 +168,7 @@ pub fn print_stats(st: &StoreStats) {
         eprintln!(
             "[lookahead: named {:.1}% of the {} experts the layers used (the next MoE layer's router on this layer's input)]",
             100.0 * r,
-            t.lookahead_checked
+            t.lookahead.checked
         );
     }
     for (l, s) in st

@@ -440,6 +440,7 @@ fn decode(a: DecodeArgs) -> Result<()> {
         _ => None,
     };
     let pp = (!pp_tps.is_empty()).then(|| median_spread(pp_tps));
+    let slots = engine.model.vram_slot_stats();
     let report = serde_json::json!({
         "model": path.display().to_string(),
         "tg": a.tg, "pp": a.pp, "reps": a.reps,
@@ -462,7 +463,7 @@ fn decode(a: DecodeArgs) -> Result<()> {
         "lookahead_unused": stats.as_ref().map(|s| s.total.prefetch_wasted),
         "lookahead_dropped": stats.as_ref().map(|s| s.total.prefetch_cancelled),
         "lookahead_recall": stats.as_ref().and_then(|s| s.lookahead_recall),
-        "speculative_recall": engine.model.vram_slot_stats().and_then(|v| v.spec_recall),
+        "speculative_recall": slots.and_then(|v| v.spec_recall),
         "io_bound_tok_per_s": io_bound,
         "decode_over_io_bound": io_bound.map(|b| tg / b),
         "hit_rate": stats.as_ref().map(|s| s.hit_rate),
@@ -471,7 +472,7 @@ fn decode(a: DecodeArgs) -> Result<()> {
         "io_wait_s": stats.as_ref().map(|s| s.total.io_wait_seconds),
         "read_buffers_allocated_inline": stats.as_ref().map(|s| s.buffer_allocs),
         "read_buffer_alloc_s": stats.as_ref().map(|s| s.buffer_alloc_seconds),
-        "vram_slots": engine.model.vram_slot_stats(),
+        "vram_slots": slots,
         "breakdown": breakdown.as_ref().map(|b| b.iter().map(|(what, n, busy, p)| breakdown_json(what, *n, busy, p)).collect::<Vec<_>>()),
     });
     if let Some(b) = &breakdown {

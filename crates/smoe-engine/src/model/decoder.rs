@@ -16,7 +16,7 @@ use super::{mat, Logits, Scratch};
 use crate::error::EngineError;
 use crate::kv_cache::KvCache;
 use crate::rope::RopeTable;
-use crate::store::{Experts, StoreOptions};
+use crate::store::{Experts, Recall, StoreOptions};
 use smoe_compute::cpu::{self, matmul, ops, QMatRef};
 use smoe_vault::config::QkNorm;
 use smoe_vault::{FfnKind, ModelConfig, TensorData, Vault};
@@ -371,7 +371,7 @@ impl Decoder {
         let used: Vec<usize> = (0..ne).filter(|&e| !by_expert[e].is_empty()).collect();
         if self.experts.is_streaming() {
             if let Some((_, guess)) = s.guess.take().filter(|(n, _)| *n == l) {
-                self.experts.note_lookahead(l, &guess, &used);
+                self.experts.note_lookahead(l, Recall::of(&guess, &used));
             }
             self.prefetch_next(l, t, s);
         }

@@ -18,7 +18,7 @@ use profile::Profile;
 pub use read_queue::{PieceSink, ReadTarget};
 pub use reader::FaultHook;
 use smoe_vault::Vault;
-pub use stats::StoreStats;
+pub use stats::{Recall, StoreStats};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -319,12 +319,11 @@ impl Experts {
         }
     }
 
-    /// Scores a lookahead guess of `layer`'s experts against the `used` ones (streaming only):
-    /// `--stats`' lookahead recall.
-    pub fn note_lookahead(&self, layer: usize, guess: &[usize], used: &[usize]) {
+    /// Adds the score of a lookahead guess of `layer`'s experts (streaming only): `--stats`'
+    /// lookahead recall.
+    pub fn note_lookahead(&self, layer: usize, r: Recall) {
         if let Source::Streamed(s) = &self.source {
-            let named = used.iter().filter(|e| guess.contains(e)).count();
-            s.note_lookahead(layer, used.len(), named);
+            s.note_lookahead(layer, r);
         }
     }
 

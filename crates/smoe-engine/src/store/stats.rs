@@ -19,11 +19,37 @@ pub struct LayerStats {
     pub io_wait_seconds: f64,
     /// Time spent computing this layer's experts.
     pub compute_seconds: f64,
-    /// Experts this layer used while a lookahead guess for it existed (the CPU decoder's), and
-    /// how many of them the guess named: how well one layer's input predicts the next layer's
-    /// routing, whatever the cache held.
-    pub lookahead_checked: u64,
-    pub lookahead_named: u64,
+    /// The lookahead guesses for this layer, scored against what it used: how well one layer's
+    /// input predicts the next layer's routing, whatever the cache held.
+    pub lookahead: Recall,
+}
+
+/// Guesses scored against what was then used: experts used while a guess for them existed,
+/// and how many of those the guess named.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Recall {
+    pub checked: u64,
+    pub named: u64,
+}
+
+impl Recall {
+    /// One guess against the distinct experts `used`.
+    pub fn of<T: PartialEq>(guess: &[T], used: &[T]) -> Self {
+        Recall {
+            checked: used.len() as u64,
+            named: used.iter().filter(|e| guess.contains(e)).count() as u64,
+        }
+    }
+
+    pub fn add(&mut self, o: Recall) {
+        self.checked += o.checked;
+        self.named += o.named;
+    }
+
+    /// The share of the used experts the guesses named (None: nothing checked).
+    pub fn share(&self) -> Option<f64> {
+        (self.checked > 0).then(|| self.named as f64 / self.checked as f64)
+    }
 }
 
 impl LayerStats {
@@ -37,8 +63,7 @@ impl LayerStats {
         self.read_seconds += o.read_seconds;
         self.io_wait_seconds += o.io_wait_seconds;
         self.compute_seconds += o.compute_seconds;
-        self.lookahead_checked += o.lookahead_checked;
-        self.lookahead_named += o.lookahead_named;
+        self.lookahead.add(o.lookahead);
     }
 }
 
@@ -47,7 +72,7 @@ pub struct StoreStats {
     pub total: LayerStats,
     pub hit_rate: f64,
     /// Of the experts the layers used, the share the previous MoE layer's lookahead named
-    /// (`lookahead_named / lookahead_checked`; None where nothing was checked).
+    /// (`total.lookahead`; None where nothing was checked).
     pub lookahead_recall: Option<f64>,
     /// Bytes read ÷ time the reader threads were busy (aggregate throughput of the device).
     pub read_gb_per_s: f64,
@@ -86,8 +111,7 @@ impl StoreStats {
         } else {
             0.0
         };
-        self.lookahead_recall = (t.lookahead_checked > 0)
-            .then(|| t.lookahead_named as f64 / t.lookahead_checked as f64);
+        self.lookahead_recall = t.lookahead.share();
         self.total = t;
     }
 
@@ -98,5 +122,20 @@ impl StoreStats {
             direct_io: self.direct_io,
             ..StoreStats::new(n)
         };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Recall;
+
+    #[test]
+    fn recall_is_the_share_of_used_experts_a_guess_named() {
+        let mut r = Recall::default();
+        assert_eq!(r.share(), None, "nothing checked");
+        r.add(Recall::of(&[1u32, 2, 3, 4], &[2, 4, 6, 8]));
+        r.add(Recall::of(&[5u32], &[5, 7]));
+        assert_eq!((r.checked, r.named), (6, 3));
+        assert_eq!(r.share(), Some(0.5));
     }
 }

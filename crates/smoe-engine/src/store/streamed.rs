@@ -9,7 +9,7 @@ use super::read_queue::{
     Abandoned, BlobRead, BufPool, Finished, PieceSink, Priority, ReadQueue, ReadTarget,
 };
 use super::reader::{BlobReader, FaultHook};
-use super::stats::StoreStats;
+use super::stats::{Recall, StoreStats};
 use crate::error::EngineError;
 use smoe_vault::Vault;
 use std::collections::HashMap;
@@ -84,7 +84,9 @@ impl StreamedStore {
         std::thread::Builder::new()
             .name("smoe-read-buffers".into())
             .spawn(move || BufPool::fill(pool))
-            .map_err(|e| EngineError::Invalid(format!("cannot start reader threads: {e}")))?;
+            .map_err(|e| {
+                EngineError::Invalid(format!("cannot start the read-buffer thread: {e}"))
+            })?;
         for i in 0..threads {
             let (queue, weak) = (store.queue.clone(), Arc::downgrade(&store));
             std::thread::Builder::new()
@@ -337,12 +339,9 @@ impl StreamedStore {
         self.cache.lock().unwrap().tick();
     }
 
-    /// Counts, for `layer`, `used` experts checked against a lookahead guess and `named` of them
-    /// that it named.
-    pub fn note_lookahead(&self, layer: usize, used: usize, named: usize) {
-        let mut st = self.stats.lock().unwrap();
-        st.per_layer[layer].lookahead_checked += used as u64;
-        st.per_layer[layer].lookahead_named += named as u64;
+    /// Adds the score of a lookahead guess of `layer`'s experts.
+    pub fn note_lookahead(&self, layer: usize, r: Recall) {
+        self.stats.lock().unwrap().per_layer[layer].lookahead.add(r);
     }
 
     /// Stats so far, with totals and the cache's current size.

@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
-/// What `SMOE_ROUTE_TRACE` asks for (or a test, through `GpuDecoder::set_route_trace`).
+/// What `SMOE_ROUTE_TRACE` asks for (or `StoreOptions::route_trace`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RouteTrace {
     /// Write each decode MoE layer's choice to the file.

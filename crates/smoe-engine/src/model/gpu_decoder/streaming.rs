@@ -7,7 +7,7 @@ use super::through::Through;
 use super::{nanos, GpuDecoder};
 use crate::error::EngineError;
 use crate::gpu::{Op, Readback, Recorder, SlotWriter, T_MAX};
-use crate::store::{PieceSink, ReadTarget};
+use crate::store::{PieceSink, ReadTarget, Recall};
 use smoe_compute::gpu::{wgpu, ClockHold, GpuContext};
 use smoe_vault::ModelConfig;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -52,10 +52,9 @@ pub(super) struct Streaming {
     /// Speculative passes, and the reads their guesses started (`SlotStats`).
     pub(super) spec_runs: AtomicU64,
     pub(super) spec_guesses: AtomicU64,
-    /// Experts decode layers used that a speculative pass had guessed for them, and how many
-    /// of those the pass named (`SlotStats::spec_recall`).
-    pub(super) spec_checked: AtomicU64,
-    pub(super) spec_named: AtomicU64,
+    /// The speculative passes' guesses, scored against what their layers used
+    /// (`SlotStats::spec_recall`).
+    pub(super) spec_scores: Mutex<Recall>,
     /// Reads a replayed routing trace started (`oracle`).
     pub(super) oracle_reads: AtomicU64,
     /// Decode batches run through the layers whose experts sit in VRAM (`through`); `None`
@@ -172,8 +171,7 @@ impl Streaming {
             through_layers: AtomicU64::new(0),
             spec_runs: AtomicU64::new(0),
             spec_guesses: AtomicU64::new(0),
-            spec_checked: AtomicU64::new(0),
-            spec_named: AtomicU64::new(0),
+            spec_scores: Mutex::default(),
             oracle_reads: AtomicU64::new(0),
             through: None,
             clocks: None,
@@ -476,10 +474,9 @@ impl GpuDecoder {
             run_through: s.through_layers.load(Ordering::Relaxed),
             speculated: s.spec_runs.load(Ordering::Relaxed),
             spec_guesses: s.spec_guesses.load(Ordering::Relaxed),
-            spec_recall: match s.spec_checked.load(Ordering::Relaxed) {
-                0 => None,
-                c => Some(s.spec_named.load(Ordering::Relaxed) as f64 / c as f64),
-            },
+            spec_recall: (s.spec_scores.lock())
+                .unwrap_or_else(|e| e.into_inner())
+                .share(),
             oracle_reads: s.oracle_reads.load(Ordering::Relaxed),
             gpu_wait_s: secs(&s.gpu_wait_ns),
             fill_s: secs(&s.fill_ns),
@@ -501,8 +498,6 @@ impl GpuDecoder {
                 &s.through_layers,
                 &s.spec_runs,
                 &s.spec_guesses,
-                &s.spec_checked,
-                &s.spec_named,
                 &s.oracle_reads,
                 &s.gpu_wait_ns,
                 &s.fill_ns,
@@ -512,6 +507,7 @@ impl GpuDecoder {
             ] {
                 a.store(0, Ordering::Relaxed);
             }
+            *s.spec_scores.lock().unwrap_or_else(|e| e.into_inner()) = Recall::default();
         }
     }
 }

@@ -30,6 +30,7 @@ use super::streaming::{distinct, Streaming};
 use super::{nanos, record_head, End, GpuDecoder};
 use crate::error::EngineError;
 use crate::gpu::{Acts, GpuKv, Head, LayerOps, Op, Readback, Recorder, GEMM_MIN};
+use crate::store::Recall;
 use smoe_compute::gpu::{wgpu, BufRef, GpuContext, IndirectArgs, SlotMap, SlotMapBufs, NO_SLOT};
 use smoe_vault::ModelConfig;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -340,12 +341,10 @@ impl GpuDecoder {
             for l in ran_through() {
                 self.ran_through(st, l, ids_of(l))?;
             }
-            if let Some(o) = &th.oracle {
-                for l in ran_through().chain(ran.halted) {
+            for l in ran_through().chain(ran.halted) {
+                if let Some(o) = &th.oracle {
                     o.used(l, ids_of(l))?;
                 }
-            }
-            for l in ran_through().chain(ran.halted) {
                 self.score_guesses(st, &mut guesses, l, ids_of(l));
             }
             self.oracle_reads(st, th, ran.halted.map(|l| (l, ids_of(l))));
@@ -503,19 +502,18 @@ impl GpuDecoder {
         l: usize,
         ids: &[u32],
     ) {
-        let used: Vec<usize> = distinct(ids).into_iter().map(|e| e as usize).collect();
+        if !guesses.iter().any(|g| g.0 == l) {
+            return;
+        }
+        let used = distinct(ids);
         guesses.retain(|(m, guess, spec)| {
             if *m != l {
                 return true;
             }
-            let guess: Vec<usize> = guess.iter().map(|&e| e as usize).collect();
+            let r = Recall::of(guess, &used);
             match spec {
-                false => self.experts.note_lookahead(l, &guess, &used),
-                true => {
-                    let named = used.iter().filter(|e| guess.contains(e)).count();
-                    (st.spec_checked).fetch_add(used.len() as u64, Ordering::Relaxed);
-                    (st.spec_named).fetch_add(named as u64, Ordering::Relaxed);
-                }
+                false => self.experts.note_lookahead(l, r),
+                true => (st.spec_scores.lock().unwrap_or_else(|e| e.into_inner())).add(r),
             }
             false
         });
