@@ -49,8 +49,9 @@ pub(crate) struct Acts {
     pub rlog: wgpu::Buffer,
     pub ids: wgpu::Buffer,
     pub rw: wgpu::Buffer,
-    /// Streaming lookahead: the next MoE layer's router on this layer's input — its logits,
-    /// chosen ids and weights (unused), shaped as `rlog`, `ids` and `rw`.
+    /// Streaming lookahead: the next MoE layers' routers on this layer's input — their logits,
+    /// chosen ids and weights (unused), each shaped as `rlog`, `ids` and `rw`: the j-th next
+    /// MoE layer's at row `j · T_MAX` (j < `AHEAD_MAX`).
     pub ahead: [wgpu::Buffer; 3],
     /// silu(gate)·up: `[n][k][moe_inter]` for experts, `[n][inter]` for a dense or shared MLP.
     pub gu: wgpu::Buffer,
@@ -64,6 +65,9 @@ pub(crate) struct Acts {
     /// The greedy token id (u32).
     pub argmax: wgpu::Buffer,
 }
+
+/// The most MoE layers a streaming lookahead predicts (`Acts::ahead`).
+pub const AHEAD_MAX: usize = 4;
 
 impl Acts {
     pub fn new(ctx: &GpuContext, c: &ModelConfig) -> Self {
@@ -84,9 +88,9 @@ impl Acts {
             ids: f("expert ids", t * d.k),
             rw: f("expert weights", t * d.k),
             ahead: [
-                f("lookahead logits", t * c.num_experts),
-                f("lookahead ids", t * d.k),
-                f("lookahead weights", t * d.k),
+                f("lookahead logits", AHEAD_MAX * t * c.num_experts),
+                f("lookahead ids", AHEAD_MAX * t * d.k),
+                f("lookahead weights", AHEAD_MAX * t * d.k),
             ],
             gu: f("gate_up", t * inter),
             sg: f("shared gate", t),

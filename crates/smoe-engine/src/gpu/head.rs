@@ -92,7 +92,19 @@ impl Readback {
 
     /// Records the copy of the first `bytes` of `src` to byte `at` (a multiple of 4).
     pub fn copy_at(&self, enc: &mut wgpu::CommandEncoder, src: &wgpu::Buffer, at: u64, bytes: u64) {
-        enc.copy_buffer_to_buffer(src, 0, &self.staging, at, bytes.next_multiple_of(4));
+        self.copy_from(enc, (src, 0), at, bytes);
+    }
+
+    /// Records the copy of `bytes` of `src` from its byte `from` to byte `at` (both multiples
+    /// of 4).
+    pub fn copy_from(
+        &self,
+        enc: &mut wgpu::CommandEncoder,
+        (src, from): (&wgpu::Buffer, u64),
+        at: u64,
+        bytes: u64,
+    ) {
+        enc.copy_buffer_to_buffer(src, from, &self.staging, at, bytes.next_multiple_of(4));
     }
 
     /// Waits for the submission that copied (the latest one), and hands its first `bytes` to

@@ -20,10 +20,11 @@
 //! tokens, and the routed experts' slots are first sorted by expert (`ExpertSort`) so each
 //! expert's weights are read once per chunk for all the tokens that chose it.
 
-use super::acts::Acts;
+use super::acts::{Acts, AHEAD_MAX};
 use super::gpu_err;
 use super::record::{Dispatch, Recorder};
 use super::weights::{FfnW, LayerW, Mlp, Packed};
+use super::T_MAX;
 use crate::error::EngineError;
 use smoe_compute::gpu::{
     wgpu, BufRef, EltOp, Eltwise, ExpertSort, Fuse, GpuContext, Grouped, MatMul, MatMulDesc,
@@ -101,8 +102,8 @@ pub(crate) struct LayerOps {
     /// all fit the VRAM slots runs them once per round of experts, the slots of the other
     /// rounds' experts skipped (`ExpertSort`), then the sum over all of them.
     pub expert_rounds: Option<std::ops::Range<usize>>,
-    /// Streaming lookahead (recorded at that stop): the next MoE layer's router and top-k on
-    /// this layer's normed input, into `Acts::ahead` — a prediction of the experts it will
+    /// Streaming lookahead (recorded at that stop): the next MoE layers' routers and top-k on
+    /// this layer's normed input, into `Acts::ahead` — a prediction of the experts they will
     /// want, so their reads can start while this layer's run.
     pub lookahead: Vec<Op>,
 }
@@ -432,7 +433,8 @@ impl LayerOps {
         self.routed().map_or(&self.post[..], |(_, experts)| experts)
     }
 
-    /// `next_router`: streaming, the router of the next MoE layer (for `lookahead`).
+    /// `next_routers`: streaming, the routers of the next MoE layers (for `lookahead`; at most
+    /// `AHEAD_MAX`).
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         ctx: &GpuContext,
@@ -440,7 +442,7 @@ impl LayerOps {
         a: &Acts,
         c: &ModelConfig,
         n: usize,
-        next_router: Option<&Packed>,
+        next_routers: &[&Packed],
     ) -> Result<Self, EngineError> {
         let b = B {
             ctx,
@@ -570,8 +572,9 @@ impl LayerOps {
                 if !router_in_o {
                     post.extend(b.route("router", router, x, [rlog, ids, rw], fuse, e.n, k)?);
                 }
-                if let Some(next) = next_router {
-                    let ahead = a.ahead.each_ref().map(BufRef::new);
+                for (j, &next) in next_routers.iter().enumerate().take(AHEAD_MAX) {
+                    let row = [e.n, k, k].map(|w| 4 * (j * T_MAX * w) as u64);
+                    let ahead = [0, 1, 2].map(|i| BufRef::at(&a.ahead[i], row[i]));
                     let guess = b.route("lookahead", next, hn, ahead, Fuse::default(), e.n, k)?;
                     lookahead.extend(guess);
                 }

@@ -22,14 +22,14 @@ mod record;
 mod slots;
 mod weights;
 
-pub(crate) use acts::Acts;
+pub(crate) use acts::{Acts, AHEAD_MAX};
 pub(crate) use head::{extend_f32, Head, Readback};
 pub use kv::GpuKv;
 pub(crate) use kv::{AttnCtx, KvPool};
 pub(crate) use layer::{LayerOps, Op, GEMM_MIN};
 pub(crate) use record::Recorder;
 pub(crate) use slots::SlotWriter;
-pub(crate) use weights::{FfnW, Weights};
+pub(crate) use weights::{FfnW, Packed, Weights};
 
 use crate::error::EngineError;
 use smoe_compute::gpu::GpuContext;

@@ -326,6 +326,18 @@ impl GpuDecoder {
                 _ => depth,
             };
             st.through = Some(Through::new(ctx, &cfg, &acts, st.max_piece, depth, oracle)?);
+            st.ahead_depth = match std::env::var("SMOE_LOOKAHEAD_DEPTH") {
+                Ok(v) => match v.parse() {
+                    Ok(d) if (1..=crate::gpu::AHEAD_MAX).contains(&d) => d,
+                    _ => {
+                        return Err(EngineError::Invalid(format!(
+                            "SMOE_LOOKAHEAD_DEPTH={v}: expected 1 to {} MoE layers",
+                            crate::gpu::AHEAD_MAX
+                        )))
+                    }
+                },
+                Err(_) => st.ahead_depth,
+            };
         }
         let chain = match weights.embedding(cfg.tie_word_embeddings) {
             Some(e) => {
@@ -345,17 +357,20 @@ impl GpuDecoder {
         };
         let eps = cfg.rms_norm_eps as f32;
         let mut batches = vec![];
-        // Streaming: each MoE layer also predicts the next MoE layer's experts (lookahead).
-        let next_router = |l: usize| {
-            streaming.as_ref()?;
-            weights.layers[l + 1..].iter().find_map(|w| match &w.ffn {
-                FfnW::Moe { router, .. } => Some(router),
-                FfnW::Dense(_) => None,
-            })
+        // Streaming: each MoE layer also predicts the next MoE layers' experts (lookahead).
+        let depth = streaming.as_ref().map_or(0, |st| st.ahead_depth);
+        let next_routers = |l: usize| -> Vec<&gpu::Packed> {
+            (weights.layers[l + 1..].iter())
+                .filter_map(|w| match &w.ffn {
+                    FfnW::Moe { router, .. } => Some(router),
+                    FfnW::Dense(_) => None,
+                })
+                .take(depth)
+                .collect()
         };
         for n in gpu::batch_sizes() {
             let layers = (weights.layers.iter().enumerate())
-                .map(|(l, w)| LayerOps::new(ctx, w, &acts, &cfg, n, next_router(l)))
+                .map(|(l, w)| LayerOps::new(ctx, w, &acts, &cfg, n, &next_routers(l)))
                 .collect::<Result<Vec<_>, _>>()?;
             batches.push((layers, Head::new(ctx, &weights, &acts, eps, n)?));
         }

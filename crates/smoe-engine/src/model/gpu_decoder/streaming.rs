@@ -37,6 +37,9 @@ pub(super) struct Streaming {
     pub(super) ids: Readback,
     /// The lookahead router's ids (`LayerOps::lookahead`).
     pub(super) ahead: Readback,
+    /// MoE layers each decode layer's lookahead predicts (1 unless `SMOE_LOOKAHEAD_DEPTH`
+    /// says; the window read-backs start reads for all of them).
+    pub(super) ahead_depth: usize,
     hits: AtomicU64,
     misses: AtomicU64,
     /// Nanoseconds the host spent, per kind (`SlotStats`).
@@ -160,6 +163,7 @@ impl Streaming {
             }),
             ids: Readback::new(ctx, 4 * (T_MAX * k) as u64),
             ahead: Readback::new(ctx, 4 * (T_MAX * k) as u64),
+            ahead_depth: 1,
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
             gpu_wait_ns: AtomicU64::new(0),

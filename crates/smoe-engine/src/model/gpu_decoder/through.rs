@@ -29,7 +29,7 @@ use super::oracle::Oracle;
 use super::streaming::{distinct, Streaming};
 use super::{nanos, record_head, End, GpuDecoder};
 use crate::error::EngineError;
-use crate::gpu::{Acts, GpuKv, Head, LayerOps, Op, Readback, Recorder, GEMM_MIN};
+use crate::gpu::{Acts, GpuKv, Head, LayerOps, Op, Readback, Recorder, AHEAD_MAX, GEMM_MIN, T_MAX};
 use crate::store::Recall;
 use smoe_compute::gpu::{wgpu, BufRef, GpuContext, IndirectArgs, SlotMap, SlotMapBufs, NO_SLOT};
 use smoe_vault::ModelConfig;
@@ -167,7 +167,7 @@ impl Through {
         let h = acts.d.h;
         let saved = [MAX_N * h, MAX_N * h, MAX_N * k]
             .map(|len| ctx.storage_buffer("saved", 4 * len as u64));
-        let ahead = 4 * (MAX_N * k) as u64;
+        let ahead = 4 * (AHEAD_MAX * MAX_N * k) as u64;
         Ok(Through {
             readback: Readback::new(ctx, 16 + chosen_bytes(cfg) + ahead),
             table,
@@ -237,7 +237,8 @@ struct Ran {
     halted: Option<usize>,
     /// `[layers][MAX_N·k]` chosen ids.
     chosen: Vec<u32>,
-    /// The lookahead router's ids at the halted layer.
+    /// The lookahead router's ids at the halted layer (else the window's last MoE layer):
+    /// `[ahead_depth][MAX_N·k]`, the j-th next MoE layer's in row j.
     guess: Vec<u32>,
 }
 
@@ -289,12 +290,12 @@ impl GpuDecoder {
             }
             th.readback.copy_at(&mut enc, &th.status, 0, 16);
             th.readback.copy_at(&mut enc, &th.chosen, 16, chosen_len);
-            th.readback.copy_at(
-                &mut enc,
-                &self.acts.ahead[1],
-                16 + chosen_len,
-                4 * row as u64,
-            );
+            for j in 0..st.ahead_depth {
+                let from = 4 * (j * T_MAX * k) as u64;
+                let at = 16 + chosen_len + 4 * (j * row) as u64;
+                let ids = (&self.acts.ahead[1], from);
+                th.readback.copy_from(&mut enc, ids, at, 4 * row as u64);
+            }
             let bytes = match to == layers.len() {
                 true => self.copy_result(&mut enc, end, last, n),
                 false => 0,
@@ -319,9 +320,10 @@ impl GpuDecoder {
                 None => (to < layers.len()).then(|| record(&mut args, to, false)),
             };
             let waiting = Instant::now();
+            let guessed = 4 * (st.ahead_depth * row) as u64;
             let ran = th
                 .readback
-                .read(&self.ctx, 16 + chosen_len + 4 * row as u64, |b| {
+                .read(&self.ctx, 16 + chosen_len + guessed, |b| {
                     let words: &[u32] = bytemuck::cast_slice(b);
                     let chosen_end = 4 + chosen_len as usize / 4;
                     Ran {
@@ -348,6 +350,30 @@ impl GpuDecoder {
                 self.score_guesses(st, &mut guesses, l, ids_of(l));
             }
             self.oracle_reads(st, th, ran.halted.map(|l| (l, ids_of(l))));
+            // The lookahead's guesses for the MoE layers after `l` (row j: the j-th), none where
+            // `l` made none or the oracle guesses.
+            let ahead_of = |l: usize| -> Vec<(usize, &[u32])> {
+                if layers[l].lookahead.is_empty() || th.replays() {
+                    return vec![];
+                }
+                let next = self
+                    .cfg
+                    .moe_layers()
+                    .filter(|&m| m > l)
+                    .take(st.ahead_depth);
+                let row_of = |j: usize| &ran.guess[j * row..j * row + n * k];
+                next.enumerate().map(|(j, m)| (m, row_of(j))).collect()
+            };
+            if ran.halted.is_none() && st.ahead_depth > 1 {
+                // A window that ran through: its last MoE layer's deeper guesses (its next
+                // layer's all sit in VRAM, or it would have halted).
+                let last = (from..to)
+                    .rev()
+                    .find(|&l| maps[l].is_some() && !(resume && l == from));
+                for (m, guess) in last.map_or(vec![], ahead_of).into_iter().skip(1) {
+                    self.prefetch_guess(st, m, guess);
+                }
+            }
             let Some(l) = ran.halted else {
                 match ahead {
                     Some(a) => {
@@ -367,13 +393,12 @@ impl GpuDecoder {
             // While this layer's misses are read, a speculative pass shows what the next layers
             // will choose (a better guess than the lookahead's, which then goes unused).
             let spec = self.speculate(st, th, gkv, layers, n, l, &ids);
-            let lookahead = self.next_moe(l).filter(|_| !layers[l].lookahead.is_empty());
-            if let Some(next_moe) = lookahead.filter(|_| !th.replays()) {
-                guesses.push((next_moe, ran.guess[..n * k].to_vec(), false));
-                if spec.is_none() {
-                    self.prefetch_guess(st, next_moe, &ran.guess[..n * k]);
-                }
+            let ahead = ahead_of(l);
+            if let Some(&(next_moe, guess)) = ahead.first() {
+                guesses.push((next_moe, guess.to_vec(), false));
             }
+            // The lookahead's guesses beyond the layers a speculative pass shows.
+            let deep = &ahead[spec.as_ref().map_or(0, |s| s.layers.len()).min(ahead.len())..];
             self.experts.note_uses(l, &used);
             // The resumed window is recorded while the slots fill (it reads the ids written
             // below when it runs). The fill maps this layer's slots, which a speculative pass
@@ -386,6 +411,9 @@ impl GpuDecoder {
                         Some(spec) => self.spec_guesses(st, th, spec, n)?,
                         None => vec![],
                     };
+                    for &(m, guess) in deep {
+                        self.prefetch_guess(st, m, guess);
+                    }
                     Ok::<_, EngineError>((spec, self.fill_stop(st, l, &ids, None)?))
                 },
             );
