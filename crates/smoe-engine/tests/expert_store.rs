@@ -30,6 +30,7 @@ fn open_with(path: &Path, budget: CacheBudget, profile: bool, read_piece: usize)
         fault: None,
         mapped_slots: true,
         route_trace: None,
+        lookahead_depth: None,
     };
     Engine::open(
         path,
@@ -199,6 +200,7 @@ fn slow_logged_store(v: &TempVault, ms: u64) -> (smoe_engine::store::Experts, Re
         fault: Some(fault),
         mapped_slots: true,
         route_trace: None,
+        lookahead_depth: None,
     };
     let vault = smoe_vault::Vault::open(v.path()).unwrap();
     let experts = smoe_engine::store::Experts::open(&vault, &opts).unwrap();
@@ -309,6 +311,7 @@ fn open_with_fault(
         fault: Some(fault),
         mapped_slots: true,
         route_trace: None,
+        lookahead_depth: None,
     };
     let opts = EngineOptions {
         store,
@@ -328,6 +331,7 @@ fn store_of_pieces(v: &TempVault) -> (smoe_vault::Vault, smoe_engine::store::Exp
         fault: None,
         mapped_slots: true,
         route_trace: None,
+        lookahead_depth: None,
     };
     let vault = smoe_vault::Vault::open(v.path()).unwrap();
     let experts = smoe_engine::store::Experts::open(&vault, &opts).unwrap();

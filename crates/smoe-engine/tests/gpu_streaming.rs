@@ -32,15 +32,22 @@ fn open_traced(
     mapped_slots: bool,
     route_trace: Option<RouteTrace>,
 ) -> Engine {
-    let store = StoreOptions {
-        budget,
-        profile: false,
-        read_threads: 4,
-        read_piece,
-        fault: None,
-        mapped_slots,
-        route_trace,
-    };
+    open_store(
+        StoreOptions {
+            budget,
+            profile: false,
+            read_threads: 4,
+            read_piece,
+            fault: None,
+            mapped_slots,
+            route_trace,
+            lookahead_depth: None,
+        },
+        path,
+    )
+}
+
+fn open_store(store: StoreOptions, path: &Path) -> Engine {
     let e = Engine::open(
         path,
         EngineOptions {
@@ -232,6 +239,68 @@ fn gpu_tokens_do_not_depend_on_the_expert_cache() {
     }
 }
 
+/// A lookahead over several MoE layers (`StoreOptions::lookahead_depth`): each decode layer
+/// predicts the next three MoE layers' experts and the host starts reading the deeper guesses
+/// too — more guessed reads than a one-layer lookahead, the same tokens.
+#[test]
+fn a_deeper_lookahead_reads_further_ahead_and_changes_no_token() {
+    if !have_gpu() {
+        return;
+    }
+    for name in ["tiny-dense-mix", "tiny-qwen2moe"] {
+        let v = TempVault::new(name, DType::Q4);
+        let prompt: Vec<u32> = (3..40).collect();
+        let want = greedy(&open(&v.0, CacheBudget::Resident), &prompt, 24);
+        let guessed = |depth: usize| {
+            let e = open_store(
+                StoreOptions {
+                    budget: CacheBudget::Bytes(0),
+                    profile: false,
+                    read_threads: 4,
+                    lookahead_depth: Some(depth),
+                    ..Default::default()
+                },
+                &v.0,
+            );
+            let Model::Gpu(g) = &e.model else {
+                unreachable!()
+            };
+            g.set_speculate(0);
+            e.model.experts().reset_stats();
+            assert_eq!(greedy(&e, &prompt, 24), want, "{name}, depth {depth}");
+            let t = e.model.experts().stats().unwrap().total;
+            let moe_layers = e.vault.header.config.moe_layers().count();
+            (
+                t.prefetched + t.prefetch_wasted + t.prefetch_cancelled,
+                moe_layers,
+            )
+        };
+        let ((one, moe_layers), (three, _)) = (guessed(1), guessed(3));
+        eprintln!("{name}: guessed reads {one} one layer ahead, {three} three");
+        if moe_layers >= 3 {
+            assert!(
+                three > one,
+                "{name}: {three} guesses at depth 3, {one} at 1"
+            );
+        }
+    }
+    let v = TempVault::new("tiny-qwen2moe", DType::Q4);
+    let bad = StoreOptions {
+        budget: CacheBudget::Bytes(0),
+        lookahead_depth: Some(9),
+        ..Default::default()
+    };
+    let err = Engine::open(
+        &v.0,
+        EngineOptions {
+            backend: Backend::Gpu,
+            store: bad,
+            ..Default::default()
+        },
+    );
+    assert!(err.is_err_and(|e| e.to_string().contains("lookahead depth")));
+}
+
 /// Faults on the GPU streaming path: an I/O error while filling VRAM slots fails the request
 /// with the layer named, no slot keeps a failed expert, and the same engine then serves the
 /// request correctly (equal to the resident run); a corrupt blob is named by layer and expert.
@@ -313,6 +382,7 @@ fn gpu_streaming_faults_fail_the_request_and_nothing_stays_cached() {
         fault: Some(fault),
         mapped_slots: true,
         route_trace: None,
+        lookahead_depth: None,
     };
     let opts = EngineOptions {
         backend: Backend::Gpu,
@@ -378,6 +448,7 @@ fn a_saved_profile_preloads_the_vram_slots() {
             fault: None,
             mapped_slots: true,
             route_trace: None,
+            lookahead_depth: None,
         };
         let opts = EngineOptions {
             backend: Backend::Gpu,

@@ -326,18 +326,22 @@ impl GpuDecoder {
                 _ => depth,
             };
             st.through = Some(Through::new(ctx, &cfg, &acts, st.max_piece, depth, oracle)?);
-            st.ahead_depth = match std::env::var("SMOE_LOOKAHEAD_DEPTH") {
-                Ok(v) => match v.parse() {
-                    Ok(d) if (1..=crate::gpu::AHEAD_MAX).contains(&d) => d,
-                    _ => {
-                        return Err(EngineError::Invalid(format!(
-                            "SMOE_LOOKAHEAD_DEPTH={v}: expected 1 to {} MoE layers",
-                            crate::gpu::AHEAD_MAX
-                        )))
-                    }
-                },
-                Err(_) => st.ahead_depth,
+            let max = crate::gpu::AHEAD_MAX;
+            let bad = |v: &str| {
+                EngineError::Invalid(format!(
+                    "lookahead depth {v}: expected 1 to {max} MoE layers"
+                ))
             };
+            st.ahead_depth = match (store.lookahead_depth, std::env::var("SMOE_LOOKAHEAD_DEPTH")) {
+                (Some(d), _) => d,
+                (None, Ok(v)) => v
+                    .parse()
+                    .map_err(|_| bad(&format!("SMOE_LOOKAHEAD_DEPTH={v}")))?,
+                (None, Err(_)) => st.ahead_depth,
+            };
+            if !(1..=max).contains(&st.ahead_depth) {
+                return Err(bad(&st.ahead_depth.to_string()));
+            }
         }
         let chain = match weights.embedding(cfg.tie_word_embeddings) {
             Some(e) => {

@@ -137,6 +137,9 @@ pub struct StoreOptions {
     /// GPU streaming, a measurement: record each decode MoE layer's choice, or replay such a
     /// trace as perfect guesses (`gpu_decoder::RouteTrace`). None: as `SMOE_ROUTE_TRACE` says.
     pub route_trace: Option<crate::model::gpu_decoder::RouteTrace>,
+    /// GPU streaming: MoE layers each decode layer's lookahead predicts (1 to
+    /// `gpu::AHEAD_MAX`). None: as `SMOE_LOOKAHEAD_DEPTH` says, else 1.
+    pub lookahead_depth: Option<usize>,
 }
 
 impl std::fmt::Debug for StoreOptions {
@@ -149,6 +152,7 @@ impl std::fmt::Debug for StoreOptions {
             .field("fault", &self.fault.is_some())
             .field("mapped_slots", &self.mapped_slots)
             .field("route_trace", &self.route_trace)
+            .field("lookahead_depth", &self.lookahead_depth)
             .finish()
     }
 }
@@ -163,6 +167,7 @@ impl Default for StoreOptions {
             fault: None,
             mapped_slots: !std::env::var("SMOE_MAPPED_SLOTS").is_ok_and(|v| v == "0"),
             route_trace: None,
+            lookahead_depth: None,
         }
     }
 }

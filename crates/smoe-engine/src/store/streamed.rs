@@ -31,8 +31,9 @@ pub struct StreamedStore {
     busy: Mutex<(f64, usize, Option<Instant>)>,
     /// Lookahead reads queued, in flight or done, by expert key, until their layer takes them.
     prefetched: Mutex<HashMap<usize, Arc<BlobRead>>>,
-    /// A lookahead to start once the next `for_each_blob` has queued its own misses.
-    deferred: Mutex<Option<(usize, Vec<(usize, usize)>)>>,
+    /// Lookahead guesses (per later layer) to start once the next `for_each_blob` has queued
+    /// its own misses.
+    deferred: Mutex<Vec<(usize, Vec<(usize, usize)>)>>,
 }
 
 impl Drop for StreamedStore {
@@ -78,7 +79,7 @@ impl StreamedStore {
             reader: Arc::new(reader),
             busy: Mutex::new((0.0, 0, None)),
             prefetched: Mutex::new(HashMap::new()),
-            deferred: Mutex::new(None),
+            deferred: Mutex::new(vec![]),
         });
         let pool = Arc::downgrade(&store.pool);
         std::thread::Builder::new()
@@ -216,7 +217,7 @@ impl StreamedStore {
     /// As `prefetch`, but started by the next `for_each_blob` right after it queues its own
     /// misses, so that no reader starts a guess just before a read that is certainly needed.
     pub fn prefetch_after(&self, layer: usize, experts: Vec<(usize, usize)>) {
-        *self.deferred.lock().unwrap() = Some((layer, experts));
+        self.deferred.lock().unwrap().push((layer, experts));
     }
 
     /// Hands `f` each of `experts` (with their blob indices) of `layer` as its whole blob slot
@@ -288,8 +289,9 @@ impl StreamedStore {
             self.queue.push(&read);
             waits.push(read);
         }
-        let deferred = self.deferred.lock().unwrap().take();
-        if let Some((l, ex)) = deferred {
+        // (Guesses for this layer or earlier ones are stale: a pass ended before their use.)
+        let deferred = std::mem::take(&mut *self.deferred.lock().unwrap());
+        for (l, ex) in deferred.into_iter().filter(|(l, _)| *l > layer) {
             self.prefetch(l, &ex);
         }
         let mut compute = 0.0;

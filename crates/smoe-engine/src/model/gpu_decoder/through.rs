@@ -370,8 +370,9 @@ impl GpuDecoder {
                 let last = (from..to)
                     .rev()
                     .find(|&l| maps[l].is_some() && !(resume && l == from));
+                // (Started at once: no needed read is being queued.)
                 for (m, guess) in last.map_or(vec![], ahead_of).into_iter().skip(1) {
-                    self.prefetch_guess(st, m, guess);
+                    self.experts.prefetch(m, &st.missing(m, guess));
                 }
             }
             let Some(l) = ran.halted else {
