@@ -342,6 +342,11 @@ impl GpuDecoder {
             if !(1..=max).contains(&st.ahead_depth) {
                 return Err(bad(&st.ahead_depth.to_string()));
             }
+            if let Ok(v) = std::env::var("SMOE_LOOKAHEAD_TOP") {
+                st.ahead_top = v.parse().ok().filter(|&t| t > 0).ok_or_else(|| {
+                    EngineError::Invalid(format!("SMOE_LOOKAHEAD_TOP={v}: expected 1 or more"))
+                })?;
+            }
         }
         let chain = match weights.embedding(cfg.tie_word_embeddings) {
             Some(e) => {

@@ -40,6 +40,9 @@ pub(super) struct Streaming {
     /// MoE layers each decode layer's lookahead predicts (1 unless `SMOE_LOOKAHEAD_DEPTH`
     /// says; the window read-backs start reads for all of them).
     pub(super) ahead_depth: usize,
+    /// Experts per token a guess beyond the next MoE layer keeps (its best-ranked;
+    /// `SMOE_LOOKAHEAD_TOP`, else all k).
+    pub(super) ahead_top: usize,
     hits: AtomicU64,
     misses: AtomicU64,
     /// Nanoseconds the host spent, per kind (`SlotStats`).
@@ -164,6 +167,7 @@ impl Streaming {
             ids: Readback::new(ctx, 4 * (T_MAX * k) as u64),
             ahead: Readback::new(ctx, 4 * (T_MAX * k) as u64),
             ahead_depth: 1,
+            ahead_top: usize::MAX,
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
             gpu_wait_ns: AtomicU64::new(0),

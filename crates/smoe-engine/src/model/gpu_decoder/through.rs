@@ -352,7 +352,9 @@ impl GpuDecoder {
             self.oracle_reads(st, th, ran.halted.map(|l| (l, ids_of(l))));
             // The lookahead's guesses for the MoE layers after `l` (row j: the j-th), none where
             // `l` made none or the oracle guesses.
-            let ahead_of = |l: usize| -> Vec<(usize, &[u32])> {
+            // Beyond the next layer each token's guess keeps its `ahead_top` best-ranked experts
+            // (the top-k writes them in rank order).
+            let ahead_of = |l: usize| -> Vec<(usize, Vec<u32>)> {
                 if layers[l].lookahead.is_empty() || th.replays() {
                     return vec![];
                 }
@@ -361,7 +363,11 @@ impl GpuDecoder {
                     .moe_layers()
                     .filter(|&m| m > l)
                     .take(st.ahead_depth);
-                let row_of = |j: usize| &ran.guess[j * row..j * row + n * k];
+                let row_of = |j: usize| {
+                    let ids = &ran.guess[j * row..j * row + n * k];
+                    let keep = if j == 0 { k } else { st.ahead_top.min(k) };
+                    ids.chunks(k).flat_map(|t| &t[..keep]).copied().collect()
+                };
                 next.enumerate().map(|(j, m)| (m, row_of(j))).collect()
             };
             if ran.halted.is_none() && st.ahead_depth > 1 {
@@ -372,7 +378,7 @@ impl GpuDecoder {
                     .find(|&l| maps[l].is_some() && !(resume && l == from));
                 // (Started at once: no needed read is being queued.)
                 for (m, guess) in last.map_or(vec![], ahead_of).into_iter().skip(1) {
-                    self.experts.prefetch(m, &st.missing(m, guess));
+                    self.experts.prefetch(m, &st.missing(m, &guess));
                 }
             }
             let Some(l) = ran.halted else {
@@ -395,8 +401,8 @@ impl GpuDecoder {
             // will choose (a better guess than the lookahead's, which then goes unused).
             let spec = self.speculate(st, th, gkv, layers, n, l, &ids);
             let ahead = ahead_of(l);
-            if let Some(&(next_moe, guess)) = ahead.first() {
-                guesses.push((next_moe, guess.to_vec(), false));
+            if let Some((next_moe, guess)) = ahead.first() {
+                guesses.push((*next_moe, guess.clone(), false));
             }
             // The lookahead's guesses beyond the layers a speculative pass shows.
             let deep = &ahead[spec.as_ref().map_or(0, |s| s.layers.len()).min(ahead.len())..];
@@ -412,8 +418,8 @@ impl GpuDecoder {
                         Some(spec) => self.spec_guesses(st, th, spec, n)?,
                         None => vec![],
                     };
-                    for &(m, guess) in deep {
-                        self.prefetch_guess(st, m, guess);
+                    for (m, guess) in deep {
+                        self.prefetch_guess(st, *m, guess);
                     }
                     Ok::<_, EngineError>((spec, self.fill_stop(st, l, &ids, None)?))
                 },
