@@ -31,6 +31,7 @@ fn open_with(path: &Path, budget: CacheBudget, profile: bool, read_piece: usize)
         mapped_slots: true,
         route_trace: None,
         lookahead_depth: None,
+        lookahead_top: None,
     };
     Engine::open(
         path,
@@ -103,6 +104,65 @@ fn tokens_do_not_depend_on_the_cache() {
             );
             assert!(st.total.prefetched > 0, "{name}: lookahead reads were used");
         }
+    }
+}
+
+/// A deeper lookahead (the routers of the next MoE layers guess too): the same tokens, more
+/// guessed reads than one layer ahead, fewer when a guess beyond the next layer keeps only its
+/// best-ranked expert per token; a depth or top out of range fails the load, named.
+#[test]
+fn a_deeper_lookahead_reads_further_ahead_and_changes_no_token() {
+    let store = |depth, top| StoreOptions {
+        budget: CacheBudget::Bytes(0),
+        profile: false,
+        read_threads: 4,
+        lookahead_depth: Some(depth),
+        lookahead_top: top,
+        ..Default::default()
+    };
+    let open_store = |path: &Path, store| {
+        Engine::open(
+            path,
+            EngineOptions {
+                store,
+                ..Default::default()
+            },
+        )
+    };
+    for name in ["tiny-dense-mix", "tiny-qwen2moe"] {
+        let v = TempVault::new(name, DType::Q4);
+        let prompt: Vec<u32> = (3..40).collect();
+        let want = greedy(&open(v.path(), CacheBudget::Resident, false), &prompt, 24);
+        let guessed = |depth, top| {
+            let e = open_store(v.path(), store(depth, top)).unwrap();
+            assert_eq!(greedy(&e, &prompt, 24), want, "{name}, depth {depth}");
+            let t = e.model.experts().stats().unwrap().total;
+            t.prefetched + t.prefetch_wasted + t.prefetch_cancelled
+        };
+        let (one, three, three_top1) = (guessed(1, None), guessed(3, None), guessed(3, Some(1)));
+        eprintln!("{name}: guessed reads {one} one layer ahead, {three} three, {three_top1} three keeping the best");
+        let vault = smoe_vault::Vault::open(v.path()).unwrap();
+        if vault.header.config.moe_layers().count() >= 3 {
+            assert!(
+                three > one,
+                "{name}: {three} guesses at depth 3, {one} at 1"
+            );
+            assert!(
+                three > three_top1,
+                "{name}: {three} guesses at depth 3, {three_top1} keeping the best one"
+            );
+        }
+    }
+    let v = TempVault::new("tiny-qwen2moe", DType::Q4);
+    for (depth, top, named) in [
+        (0, None, "lookahead depth 0"),
+        (5, None, "lookahead depth 5"),
+        (2, Some(0), "lookahead top 0"),
+    ] {
+        let err = open_store(v.path(), store(depth, top))
+            .err()
+            .map(|e| e.to_string());
+        assert!(err.as_ref().is_some_and(|e| e.contains(named)), "{err:?}");
     }
 }
 
@@ -201,6 +261,7 @@ fn slow_logged_store(v: &TempVault, ms: u64) -> (smoe_engine::store::Experts, Re
         mapped_slots: true,
         route_trace: None,
         lookahead_depth: None,
+        lookahead_top: None,
     };
     let vault = smoe_vault::Vault::open(v.path()).unwrap();
     let experts = smoe_engine::store::Experts::open(&vault, &opts).unwrap();
@@ -312,6 +373,7 @@ fn open_with_fault(
         mapped_slots: true,
         route_trace: None,
         lookahead_depth: None,
+        lookahead_top: None,
     };
     let opts = EngineOptions {
         store,
@@ -332,6 +394,7 @@ fn store_of_pieces(v: &TempVault) -> (smoe_vault::Vault, smoe_engine::store::Exp
         mapped_slots: true,
         route_trace: None,
         lookahead_depth: None,
+        lookahead_top: None,
     };
     let vault = smoe_vault::Vault::open(v.path()).unwrap();
     let experts = smoe_engine::store::Experts::open(&vault, &opts).unwrap();

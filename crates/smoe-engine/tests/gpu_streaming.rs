@@ -42,6 +42,7 @@ fn open_traced(
             mapped_slots,
             route_trace,
             lookahead_depth: None,
+            lookahead_top: None,
         },
         path,
     )
@@ -251,13 +252,14 @@ fn a_deeper_lookahead_reads_further_ahead_and_changes_no_token() {
         let v = TempVault::new(name, DType::Q4);
         let prompt: Vec<u32> = (3..40).collect();
         let want = greedy(&open(&v.0, CacheBudget::Resident), &prompt, 24);
-        let guessed = |depth: usize| {
+        let guessed = |depth: usize, top: Option<usize>| {
             let e = open_store(
                 StoreOptions {
                     budget: CacheBudget::Bytes(0),
                     profile: false,
                     read_threads: 4,
                     lookahead_depth: Some(depth),
+                    lookahead_top: top,
                     ..Default::default()
                 },
                 &v.0,
@@ -275,12 +277,17 @@ fn a_deeper_lookahead_reads_further_ahead_and_changes_no_token() {
                 moe_layers,
             )
         };
-        let ((one, moe_layers), (three, _)) = (guessed(1), guessed(3));
-        eprintln!("{name}: guessed reads {one} one layer ahead, {three} three");
+        let ((one, moe_layers), (three, _)) = (guessed(1, None), guessed(3, None));
+        let (three_top1, _) = guessed(3, Some(1));
+        eprintln!("{name}: guessed reads {one} one layer ahead, {three} three, {three_top1} three keeping the best");
         if moe_layers >= 3 {
             assert!(
                 three > one,
                 "{name}: {three} guesses at depth 3, {one} at 1"
+            );
+            assert!(
+                three > three_top1,
+                "{name}: {three} guesses at depth 3, {three_top1} keeping the best one"
             );
         }
     }
@@ -383,6 +390,7 @@ fn gpu_streaming_faults_fail_the_request_and_nothing_stays_cached() {
         mapped_slots: true,
         route_trace: None,
         lookahead_depth: None,
+        lookahead_top: None,
     };
     let opts = EngineOptions {
         backend: Backend::Gpu,
@@ -449,6 +457,7 @@ fn a_saved_profile_preloads_the_vram_slots() {
             mapped_slots: true,
             route_trace: None,
             lookahead_depth: None,
+            lookahead_top: None,
         };
         let opts = EngineOptions {
             backend: Backend::Gpu,

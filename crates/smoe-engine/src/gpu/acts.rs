@@ -67,7 +67,7 @@ pub(crate) struct Acts {
 }
 
 /// The most MoE layers a streaming lookahead predicts (`Acts::ahead`).
-pub const AHEAD_MAX: usize = 4;
+pub const AHEAD_MAX: usize = crate::store::LOOKAHEAD_MAX;
 
 impl Acts {
     pub fn new(ctx: &GpuContext, c: &ModelConfig) -> Self {

@@ -16,7 +16,7 @@ use super::{mat, Logits, Scratch};
 use crate::error::EngineError;
 use crate::kv_cache::KvCache;
 use crate::rope::RopeTable;
-use crate::store::{Experts, Recall, StoreOptions};
+use crate::store::{Experts, Lookahead, Recall, StoreOptions};
 use smoe_compute::cpu::{self, matmul, ops, QMatRef};
 use smoe_vault::config::QkNorm;
 use smoe_vault::{FfnKind, ModelConfig, TensorData, Vault};
@@ -61,6 +61,8 @@ pub struct Decoder {
     lm_head: TensorData,
     rope: RopeTable,
     pub experts: Experts,
+    /// Streaming: how many MoE layers ahead `prefetch_next` guesses, and how much of them.
+    lookahead: Lookahead,
 }
 
 impl Decoder {
@@ -132,6 +134,7 @@ impl Decoder {
         Ok(Decoder {
             rope: RopeTable::new(&cfg.rope, cfg.head_dim),
             experts: Experts::open(vault, store)?,
+            lookahead: store.lookahead()?,
             norm: v("model.norm.weight")?,
             embed,
             layers,
@@ -324,33 +327,36 @@ impl Decoder {
     /// Lookahead: the next MoE layer's router applied to this layer's input predicts its experts
     /// well (the residual stream changes little per layer), so their reads can start as soon as
     /// this layer's own misses are queued, and overlap this layer's reads and compute. Only a
-    /// prediction: the real routing happens there (which scores it: `note_lookahead`).
+    /// prediction: the real routing happens there (which scores it: `note_lookahead`). With a
+    /// deeper `lookahead` the routers of the MoE layers after it guess too, keeping each token's
+    /// `top` best-ranked experts (a deeper guess is right less often, its low ranks least).
     fn prefetch_next(&self, l: usize, t: usize, s: &mut Scratch) {
         let c = &self.cfg;
-        let Some((n, router)) =
-            self.layers
-                .iter()
-                .enumerate()
-                .skip(l + 1)
-                .find_map(|(n, layer)| match &layer.ffn {
-                    Ffn::Moe { router, .. } => Some((n, router)),
-                    Ffn::Dense(_) => None,
-                })
-        else {
-            return;
-        };
-        let ne = c.num_experts;
-        let mut logits = vec![0f32; t * ne];
-        matmul(mat(router), &s.h, t, &mut logits);
-        let mut want = vec![false; ne];
-        for row in logits.chunks_exact(ne) {
-            for (e, _) in ops::route_softmax_topk(row, c.num_experts_per_tok, c.norm_topk_prob) {
-                want[e] = true;
+        let (ne, k) = (c.num_experts, c.num_experts_per_tok);
+        let next = (self.layers.iter().enumerate().skip(l + 1))
+            .filter_map(|(n, layer)| match &layer.ffn {
+                Ffn::Moe { router, .. } => Some((n, router)),
+                Ffn::Dense(_) => None,
+            })
+            .take(self.lookahead.depth);
+        for (j, (n, router)) in next.enumerate() {
+            let keep = if j == 0 { k } else { self.lookahead.top.min(k) };
+            let mut logits = vec![0f32; t * ne];
+            matmul(mat(router), &s.h, t, &mut logits);
+            let mut want = vec![false; ne];
+            for row in logits.chunks_exact(ne) {
+                let mut top = ops::route_softmax_topk(row, k, c.norm_topk_prob);
+                top.sort_by(|a, b| b.1.total_cmp(&a.1));
+                for &(e, _) in &top[..keep.min(top.len())] {
+                    want[e] = true;
+                }
+            }
+            let experts: Vec<usize> = (0..ne).filter(|&e| want[e]).collect();
+            self.experts.prefetch_after(n, &experts);
+            if j == 0 {
+                s.guess = Some((n, experts));
             }
         }
-        let experts: Vec<usize> = (0..ne).filter(|&e| want[e]).collect();
-        self.experts.prefetch_after(n, &experts);
-        s.guess = Some((n, experts));
     }
 
     /// Routes every token to its top-k experts, then runs each used expert once over the tokens

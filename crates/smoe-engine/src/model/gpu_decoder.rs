@@ -326,27 +326,7 @@ impl GpuDecoder {
                 _ => depth,
             };
             st.through = Some(Through::new(ctx, &cfg, &acts, st.max_piece, depth, oracle)?);
-            let max = crate::gpu::AHEAD_MAX;
-            let bad = |v: &str| {
-                EngineError::Invalid(format!(
-                    "lookahead depth {v}: expected 1 to {max} MoE layers"
-                ))
-            };
-            st.ahead_depth = match (store.lookahead_depth, std::env::var("SMOE_LOOKAHEAD_DEPTH")) {
-                (Some(d), _) => d,
-                (None, Ok(v)) => v
-                    .parse()
-                    .map_err(|_| bad(&format!("SMOE_LOOKAHEAD_DEPTH={v}")))?,
-                (None, Err(_)) => st.ahead_depth,
-            };
-            if !(1..=max).contains(&st.ahead_depth) {
-                return Err(bad(&st.ahead_depth.to_string()));
-            }
-            if let Ok(v) = std::env::var("SMOE_LOOKAHEAD_TOP") {
-                st.ahead_top = v.parse().ok().filter(|&t| t > 0).ok_or_else(|| {
-                    EngineError::Invalid(format!("SMOE_LOOKAHEAD_TOP={v}: expected 1 or more"))
-                })?;
-            }
+            st.lookahead = store.lookahead()?;
         }
         let chain = match weights.embedding(cfg.tie_word_embeddings) {
             Some(e) => {
@@ -367,7 +347,7 @@ impl GpuDecoder {
         let eps = cfg.rms_norm_eps as f32;
         let mut batches = vec![];
         // Streaming: each MoE layer also predicts the next MoE layers' experts (lookahead).
-        let depth = streaming.as_ref().map_or(0, |st| st.ahead_depth);
+        let depth = streaming.as_ref().map_or(0, |st| st.lookahead.depth);
         let next_routers = |l: usize| -> Vec<&gpu::Packed> {
             (weights.layers[l + 1..].iter())
                 .filter_map(|w| match &w.ffn {

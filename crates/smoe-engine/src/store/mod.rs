@@ -137,9 +137,67 @@ pub struct StoreOptions {
     /// GPU streaming, a measurement: record each decode MoE layer's choice, or replay such a
     /// trace as perfect guesses (`gpu_decoder::RouteTrace`). None: as `SMOE_ROUTE_TRACE` says.
     pub route_trace: Option<crate::model::gpu_decoder::RouteTrace>,
-    /// GPU streaming: MoE layers each decode layer's lookahead predicts (1 to
-    /// `gpu::AHEAD_MAX`). None: as `SMOE_LOOKAHEAD_DEPTH` says, else 1.
+    /// Streaming: MoE layers each MoE layer's lookahead predicts (1 to `LOOKAHEAD_MAX`).
+    /// None: as `SMOE_LOOKAHEAD_DEPTH` says, else 1.
     pub lookahead_depth: Option<usize>,
+    /// Streaming: experts per token a lookahead guess beyond the next MoE layer keeps, its
+    /// best-ranked (at least 1). None: as `SMOE_LOOKAHEAD_TOP` says, else all of them.
+    pub lookahead_top: Option<usize>,
+}
+
+/// The most MoE layers a streaming lookahead predicts.
+pub const LOOKAHEAD_MAX: usize = 4;
+
+/// How far a streaming decoder's lookahead guesses (`StoreOptions::lookahead`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Lookahead {
+    /// MoE layers each MoE layer predicts: the next `depth` (1 to `LOOKAHEAD_MAX`).
+    pub depth: usize,
+    /// Experts per token kept of a guess beyond the next MoE layer (the best-ranked).
+    pub top: usize,
+}
+
+impl StoreOptions {
+    /// The lookahead these options (else `SMOE_LOOKAHEAD_DEPTH` / `SMOE_LOOKAHEAD_TOP`) ask
+    /// for; an error names a value out of range.
+    pub fn lookahead(&self) -> Result<Lookahead, EngineError> {
+        // (value, how to name it in an error)
+        let pick = |set: Option<usize>, var: &str, what: &str, ok: &dyn Fn(usize) -> bool| {
+            let v = match (set, std::env::var(var)) {
+                (Some(v), _) => Some((v, format!("{what} {v}"))),
+                (None, Ok(text)) => {
+                    Some((text.trim().parse().unwrap_or(0), format!("{var}={text}")))
+                }
+                (None, Err(_)) => None,
+            };
+            match v {
+                Some((v, _)) if ok(v) => Ok(Some(v)),
+                Some((_, named)) => Err(named),
+                None => Ok(None),
+            }
+        };
+        let bad =
+            |named: String, want: String| EngineError::Invalid(format!("{named}: expected {want}"));
+        let in_range = |d: usize| (1..=LOOKAHEAD_MAX).contains(&d);
+        let depth = pick(
+            self.lookahead_depth,
+            "SMOE_LOOKAHEAD_DEPTH",
+            "lookahead depth",
+            &in_range,
+        )
+        .map_err(|n| bad(n, format!("1 to {LOOKAHEAD_MAX} MoE layers")))?;
+        let top = pick(
+            self.lookahead_top,
+            "SMOE_LOOKAHEAD_TOP",
+            "lookahead top",
+            &|t| t > 0,
+        )
+        .map_err(|n| bad(n, "1 or more experts".into()))?;
+        Ok(Lookahead {
+            depth: depth.unwrap_or(1),
+            top: top.unwrap_or(usize::MAX),
+        })
+    }
 }
 
 impl std::fmt::Debug for StoreOptions {
@@ -153,6 +211,7 @@ impl std::fmt::Debug for StoreOptions {
             .field("mapped_slots", &self.mapped_slots)
             .field("route_trace", &self.route_trace)
             .field("lookahead_depth", &self.lookahead_depth)
+            .field("lookahead_top", &self.lookahead_top)
             .finish()
     }
 }
@@ -168,6 +227,7 @@ impl Default for StoreOptions {
             mapped_slots: !std::env::var("SMOE_MAPPED_SLOTS").is_ok_and(|v| v == "0"),
             route_trace: None,
             lookahead_depth: None,
+            lookahead_top: None,
         }
     }
 }
@@ -416,6 +476,21 @@ impl Experts {
 mod tests {
     use super::CacheBudget::*;
     use super::*;
+
+    #[test]
+    fn lookahead_options_are_checked() {
+        let with = |depth, top| StoreOptions {
+            lookahead_depth: Some(depth),
+            lookahead_top: Some(top),
+            ..Default::default()
+        };
+        let want = Lookahead { depth: 3, top: 2 };
+        assert_eq!(with(3, 2).lookahead().unwrap(), want);
+        for (depth, top, named) in [(0, 2, "depth 0"), (5, 2, "depth 5"), (2, 0, "top 0")] {
+            let err = with(depth, top).lookahead().unwrap_err().to_string();
+            assert!(err.contains(named), "{err}");
+        }
+    }
 
     #[test]
     fn budgets_parse() {

@@ -7,7 +7,7 @@ use super::through::Through;
 use super::{nanos, GpuDecoder};
 use crate::error::EngineError;
 use crate::gpu::{Op, Readback, Recorder, SlotWriter, T_MAX};
-use crate::store::{PieceSink, ReadTarget, Recall};
+use crate::store::{Lookahead, PieceSink, ReadTarget, Recall};
 use smoe_compute::gpu::{wgpu, ClockHold, GpuContext};
 use smoe_vault::ModelConfig;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -37,12 +37,10 @@ pub(super) struct Streaming {
     pub(super) ids: Readback,
     /// The lookahead router's ids (`LayerOps::lookahead`).
     pub(super) ahead: Readback,
-    /// MoE layers each decode layer's lookahead predicts (1 unless `SMOE_LOOKAHEAD_DEPTH`
-    /// says; the window read-backs start reads for all of them).
-    pub(super) ahead_depth: usize,
-    /// Experts per token a guess beyond the next MoE layer keeps (its best-ranked;
-    /// `SMOE_LOOKAHEAD_TOP`, else all k).
-    pub(super) ahead_top: usize,
+    /// MoE layers each decode layer's lookahead predicts, and the experts per token kept of
+    /// guesses beyond the next (`StoreOptions::lookahead`; the window read-backs start reads
+    /// for all of them).
+    pub(super) lookahead: Lookahead,
     hits: AtomicU64,
     misses: AtomicU64,
     /// Nanoseconds the host spent, per kind (`SlotStats`).
@@ -166,8 +164,10 @@ impl Streaming {
             }),
             ids: Readback::new(ctx, 4 * (T_MAX * k) as u64),
             ahead: Readback::new(ctx, 4 * (T_MAX * k) as u64),
-            ahead_depth: 1,
-            ahead_top: usize::MAX,
+            lookahead: Lookahead {
+                depth: 1,
+                top: usize::MAX,
+            },
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
             gpu_wait_ns: AtomicU64::new(0),

@@ -290,7 +290,7 @@ impl GpuDecoder {
             }
             th.readback.copy_at(&mut enc, &th.status, 0, 16);
             th.readback.copy_at(&mut enc, &th.chosen, 16, chosen_len);
-            for j in 0..st.ahead_depth {
+            for j in 0..st.lookahead.depth {
                 let from = 4 * (j * T_MAX * k) as u64;
                 let at = 16 + chosen_len + 4 * (j * row) as u64;
                 let ids = (&self.acts.ahead[1], from);
@@ -320,7 +320,7 @@ impl GpuDecoder {
                 None => (to < layers.len()).then(|| record(&mut args, to, false)),
             };
             let waiting = Instant::now();
-            let guessed = 4 * (st.ahead_depth * row) as u64;
+            let guessed = 4 * (st.lookahead.depth * row) as u64;
             let ran = th
                 .readback
                 .read(&self.ctx, 16 + chosen_len + guessed, |b| {
@@ -362,15 +362,15 @@ impl GpuDecoder {
                     .cfg
                     .moe_layers()
                     .filter(|&m| m > l)
-                    .take(st.ahead_depth);
+                    .take(st.lookahead.depth);
                 let row_of = |j: usize| {
                     let ids = &ran.guess[j * row..j * row + n * k];
-                    let keep = if j == 0 { k } else { st.ahead_top.min(k) };
+                    let keep = if j == 0 { k } else { st.lookahead.top.min(k) };
                     ids.chunks(k).flat_map(|t| &t[..keep]).copied().collect()
                 };
                 next.enumerate().map(|(j, m)| (m, row_of(j))).collect()
             };
-            if ran.halted.is_none() && st.ahead_depth > 1 {
+            if ran.halted.is_none() && st.lookahead.depth > 1 {
                 // A window that ran through: its last MoE layer's deeper guesses (its next
                 // layer's all sit in VRAM, or it would have halted).
                 let last = (from..to)
