@@ -105,3 +105,26 @@ pub fn assert_decode_matches_cpu(
         lc = sc.feed(&[id], Logits::Last).unwrap();
     }
 }
+
+/// A deeper lookahead's guessed reads (used, wasted or cancelled) on fixture `name` (its vault
+/// at `vault`): `one` and `three` MoE layers ahead, and three keeping each token's best-ranked
+/// expert beyond the next. Where there are three MoE layers to guess, the deeper guesses read
+/// more, keeping the best fewer.
+pub fn check_deeper_guesses(name: &str, vault: &Path, [one, three, three_top1]: [u64; 3]) {
+    let moe_layers = (smoe_vault::Vault::open(vault).unwrap().header.config)
+        .moe_layers()
+        .count();
+    eprintln!(
+        "{name}: guessed reads {one} one layer ahead, {three} three, {three_top1} keeping the best"
+    );
+    if moe_layers >= 3 {
+        assert!(
+            three > one,
+            "{name}: {three} guesses at depth 3, {one} at 1"
+        );
+        assert!(
+            three > three_top1,
+            "{name}: {three} guesses at depth 3, {three_top1} keeping the best one"
+        );
+    }
+}
