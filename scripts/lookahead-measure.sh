@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# On the lent GPU machine: how deep should the streaming lookahead guess? One device session
+# synthesizes the q4 30B-A3B vault, records its routing at 100 %, then at 25 % and 50 % budgets
+# runs, alternating, the default (one MoE layer ahead), SMOE_LOOKAHEAD_DEPTH=4 with and without
+# SMOE_LOOKAHEAD_TOP=4, and the routing oracle (perfect guesses four layers ahead), then prints
+# one line per run (tok/s, ratio to the I/O bound, MiB read and needed per token, recalls).
+#
+#   scripts/device-pack.sh     # here; then with the device tool, carry
+#                              # [".gl", ".dev/pack.tar.xz", ".dev/device.sh", "scripts"] and run
+#   bash .dev/device.sh "LIMIT=300 bash scripts/lookahead-measure.sh"
+#
+# VAULT and PRESET (default /tmp/q.smoe, qwen3-30b-a3b) pick the vault to synthesize; LIMIT
+# (seconds, default 300) stops starting runs, so partial results come back; everything
+# goes to $OUT/lookahead.txt (raw JSON) and $OUT/summary.txt. See docs/performance.md ("How
+# predictable is this vault's routing?").
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export SMOE_REQUIRE_GPU=1
+T0=$(date +%s)
+el() { echo $(($(date +%s) - T0)); }
+raw=$OUT/lookahead.txt
+q=${VAULT:-/tmp/q.smoe}
+[ -e $q ] || smoe synth --preset ${PRESET:-qwen3-30b-a3b} --quant q4 --scout q4 -o $q 2>&1 | tail -1 >>"$raw"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >>"$raw" 2>&1
+A="--tg 64 --pp 0 --reps 1 --no-profile --backend gpu --stats --json"
+SMOE_ROUTE_TRACE=record:/tmp/trace smoe bench decode -m $q $A --expert-cache 100% >/dev/null 2>&1
+one() {
+    local name=$1
+    shift
+    [ "$(el)" -gt "${LIMIT:-300}" ] && return
+    echo "=== $name t=$(el)" >>"$raw"
+    "$@" >>"$raw" 2>/tmp/err || tail -3 /tmp/err >>"$raw"
+}
+B="smoe bench decode -m $q $A --expert-cache"
+for round in 1 2; do
+    for b in 25 50; do
+        one "default_$b" $B $b%
+        one "depth4_$b" env SMOE_LOOKAHEAD_DEPTH=4 $B $b%
+        one "depth4_top4_$b" env SMOE_LOOKAHEAD_DEPTH=4 SMOE_LOOKAHEAD_TOP=4 $B $b%
+        one "oracle4_$b" env SMOE_ROUTE_TRACE=replay:/tmp/trace:4 $B $b%
+    done
+done
+for b in 25 50; do
+    one "depth2_$b" env SMOE_LOOKAHEAD_DEPTH=2 $B $b%
+    one "depth4_top2_$b" env SMOE_LOOKAHEAD_DEPTH=4 SMOE_LOOKAHEAD_TOP=2 $B $b%
+done
+python3 - "$raw" >"$OUT/summary.txt" <<'PY'
+import json, re, sys
+text = open(sys.argv[1]).read()
+for block in re.split(r'^=== ', text, flags=re.M)[1:]:
+    name, _, rest = block.partition('\n')
+    m = re.search(r'^\{.*\}$', rest, re.M)
+    if not m:
+        print(name, '| no result |', rest[:200].replace('\n', ' '))
+        continue
+    d = json.loads(m.group(0))
+    f = lambda x: 'n/a' if x is None else f'{x:.3f}'
+    mib = 2 ** 20
+    print(f"{name:22s} tok/s {d['decode_tok_per_s']['median']:6.2f}  ÷ I/O bound {f(d['decode_over_io_bound'])}"
+          f"  disk {f(d['disk_direct_read_gb_per_s'])} GB/s  read {d['read_bytes_per_token'] / mib:6.1f}"
+          f" needed {d['miss_bytes_per_token'] / mib:6.1f} MiB/token  lookahead recall {f(d['lookahead_recall'])}"
+          f"  speculative recall {f(d['speculative_recall'])}")
+PY
+cat "$OUT/summary.txt"
+echo "done in $(el) s"
