@@ -6,7 +6,7 @@
 # one line per run (tok/s, ratio to the I/O bound, MiB read and needed per token, recalls).
 #
 #   scripts/device-pack.sh     # here; then with the device tool, carry
-#                              # [".gl", ".dev/pack.tar.xz", ".dev/device.sh", "scripts"] and run
+#                              # [".gl", ".dev/pack.tar.xz", ".dev/device.sh"] and run
 #   bash .dev/device.sh "LIMIT=300 bash scripts/lookahead-measure.sh"
 #
 # VAULT and PRESET (default /tmp/q.smoe, qwen3-30b-a3b) pick the vault to synthesize; LIMIT
