@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 mod common;
-use common::{check_deeper_guesses, greedy, TempVault};
+use common::{check_deeper_guesses, deep_lookahead_store, greedy, TempVault};
 
 fn open(path: &Path, budget: CacheBudget, profile: bool) -> Engine {
     open_with(
@@ -112,14 +112,7 @@ fn tokens_do_not_depend_on_the_cache() {
 /// best-ranked expert per token; a depth or top out of range fails the load, named.
 #[test]
 fn a_deeper_lookahead_reads_further_ahead_and_changes_no_token() {
-    let store = |depth, top| StoreOptions {
-        budget: CacheBudget::Bytes(0),
-        profile: false,
-        read_threads: 4,
-        lookahead_depth: Some(depth),
-        lookahead_top: top,
-        ..Default::default()
-    };
+    let store = deep_lookahead_store;
     let open_store = |path: &Path, store| {
         Engine::open(
             path,

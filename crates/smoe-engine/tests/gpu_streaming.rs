@@ -15,7 +15,7 @@ use smoe_vault::DType;
 use std::path::Path;
 
 mod common;
-use common::{check_deeper_guesses, greedy, have_gpu, TempVault};
+use common::{check_deeper_guesses, deep_lookahead_store, greedy, have_gpu, TempVault};
 
 fn open(path: &Path, budget: CacheBudget) -> Engine {
     open_with(path, budget, DEFAULT_READ_PIECE, true)
@@ -253,17 +253,7 @@ fn a_deeper_lookahead_reads_further_ahead_and_changes_no_token() {
         let prompt: Vec<u32> = (3..40).collect();
         let want = greedy(&open(&v.0, CacheBudget::Resident), &prompt, 24);
         let guessed = |depth: usize, top: Option<usize>| {
-            let e = open_store(
-                StoreOptions {
-                    budget: CacheBudget::Bytes(0),
-                    profile: false,
-                    read_threads: 4,
-                    lookahead_depth: Some(depth),
-                    lookahead_top: top,
-                    ..Default::default()
-                },
-                &v.0,
-            );
+            let e = open_store(deep_lookahead_store(depth, top), &v.0);
             let Model::Gpu(g) = &e.model else {
                 unreachable!()
             };

@@ -340,14 +340,14 @@ impl Decoder {
             })
             .take(self.lookahead.depth);
         for (j, (n, router)) in next.enumerate() {
-            let keep = if j == 0 { k } else { self.lookahead.top.min(k) };
+            let keep = self.lookahead.keep(j, k);
             let mut logits = vec![0f32; t * ne];
             matmul(mat(router), &s.h, t, &mut logits);
             let mut want = vec![false; ne];
             for row in logits.chunks_exact(ne) {
-                let mut top = ops::route_softmax_topk(row, k, c.norm_topk_prob);
-                top.sort_by(|a, b| b.1.total_cmp(&a.1));
-                for &(e, _) in &top[..keep.min(top.len())] {
+                // (In rank order: the best-ranked first.)
+                let top = ops::route_softmax_topk(row, k, c.norm_topk_prob);
+                for &(e, _) in top.iter().take(keep) {
                     want[e] = true;
                 }
             }

@@ -157,6 +157,28 @@ pub struct Lookahead {
     pub top: usize,
 }
 
+impl Default for Lookahead {
+    /// One MoE layer ahead, every guessed expert kept.
+    fn default() -> Self {
+        Lookahead {
+            depth: 1,
+            top: usize::MAX,
+        }
+    }
+}
+
+impl Lookahead {
+    /// Experts per token kept of the guess for the `j`-th next MoE layer (0: the next one, kept
+    /// whole), of the `k` a token routes to.
+    pub fn keep(&self, j: usize, k: usize) -> usize {
+        if j == 0 {
+            k
+        } else {
+            self.top.min(k)
+        }
+    }
+}
+
 impl StoreOptions {
     /// The lookahead these options (else `SMOE_LOOKAHEAD_DEPTH` / `SMOE_LOOKAHEAD_TOP`) ask
     /// for; an error names a value out of range.
@@ -193,9 +215,10 @@ impl StoreOptions {
             &|t| t > 0,
         )
         .map_err(|n| bad(n, "1 or more experts".into()))?;
+        let d = Lookahead::default();
         Ok(Lookahead {
-            depth: depth.unwrap_or(1),
-            top: top.unwrap_or(usize::MAX),
+            depth: depth.unwrap_or(d.depth),
+            top: top.unwrap_or(d.top),
         })
     }
 }

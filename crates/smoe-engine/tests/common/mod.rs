@@ -3,6 +3,7 @@
 
 use smoe_engine::engine::GenerateOptions;
 use smoe_engine::sampler::SamplerConfig;
+use smoe_engine::store::{CacheBudget, StoreOptions};
 use smoe_engine::Engine;
 use smoe_vault::import::{convert_to_path, ConvertOptions};
 use smoe_vault::DType;
@@ -103,6 +104,19 @@ pub fn assert_decode_matches_cpu(
         let id = smoe_engine::sampler::argmax(&lc);
         lg = sg.feed(&[id], Logits::Last).unwrap();
         lc = sc.feed(&[id], Logits::Last).unwrap();
+    }
+}
+
+/// Streaming with no cache (every expert read at every use) and a lookahead `depth` MoE layers
+/// deep, keeping `top` experts per token beyond the next: the deep-lookahead tests' store.
+pub fn deep_lookahead_store(depth: usize, top: Option<usize>) -> StoreOptions {
+    StoreOptions {
+        budget: CacheBudget::Bytes(0),
+        profile: false,
+        read_threads: 4,
+        lookahead_depth: Some(depth),
+        lookahead_top: top,
+        ..Default::default()
     }
 }
 

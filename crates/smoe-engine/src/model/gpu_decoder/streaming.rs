@@ -164,10 +164,7 @@ impl Streaming {
             }),
             ids: Readback::new(ctx, 4 * (T_MAX * k) as u64),
             ahead: Readback::new(ctx, 4 * (T_MAX * k) as u64),
-            lookahead: Lookahead {
-                depth: 1,
-                top: usize::MAX,
-            },
+            lookahead: Lookahead::default(),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
             gpu_wait_ns: AtomicU64::new(0),

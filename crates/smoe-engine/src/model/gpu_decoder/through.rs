@@ -365,7 +365,7 @@ impl GpuDecoder {
                     .take(st.lookahead.depth);
                 let row_of = |j: usize| {
                     let ids = &ran.guess[j * row..j * row + n * k];
-                    let keep = if j == 0 { k } else { st.lookahead.top.min(k) };
+                    let keep = st.lookahead.keep(j, k);
                     ids.chunks(k).flat_map(|t| &t[..keep]).copied().collect()
                 };
                 next.enumerate().map(|(j, m)| (m, row_of(j))).collect()
