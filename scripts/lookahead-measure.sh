@@ -7,7 +7,7 @@
 #
 #   scripts/device-pack.sh     # here; then with the device tool, carry
 #                              # [".gl", ".dev/pack.tar.xz", ".dev/device.sh"] and run
-#   bash .dev/device.sh "LIMIT=300 bash scripts/lookahead-measure.sh"
+#   bash .dev/device.sh "LIMIT=300 bash scripts/lookahead-measure.sh [NAME=ENV ...]"
 #
 # VAULT and PRESET (default /tmp/q.smoe, qwen3-30b-a3b) pick the vault to synthesize; LIMIT
 # (seconds, default 300) stops starting runs, so partial results come back; everything
@@ -33,17 +33,16 @@ one() {
     "$@" >>"$raw" 2>/tmp/err || tail -3 /tmp/err >>"$raw"
 }
 B="smoe bench decode -m $q $A --expert-cache"
+# Variants: NAME=ENV (space-separated VAR=VALUE pairs, may be empty), run alternating twice per
+# budget (BUDGETS, default "25 50"); the default list is the deep-lookahead comparison.
+[ $# -gt 0 ] || set -- default= depth4=SMOE_LOOKAHEAD_DEPTH=4 \
+    "depth4_top4=SMOE_LOOKAHEAD_DEPTH=4 SMOE_LOOKAHEAD_TOP=4" oracle4=SMOE_ROUTE_TRACE=replay:/tmp/trace:4
 for round in 1 2; do
-    for b in 25 50; do
-        one "default_$b" $B $b%
-        one "depth4_$b" env SMOE_LOOKAHEAD_DEPTH=4 $B $b%
-        one "depth4_top4_$b" env SMOE_LOOKAHEAD_DEPTH=4 SMOE_LOOKAHEAD_TOP=4 $B $b%
-        one "oracle4_$b" env SMOE_ROUTE_TRACE=replay:/tmp/trace:4 $B $b%
+    for b in ${BUDGETS:-25 50}; do
+        for v in "$@"; do
+            one "${v%%=*}_$b" env ${v#*=} $B $b%
+        done
     done
-done
-for b in 25 50; do
-    one "depth2_$b" env SMOE_LOOKAHEAD_DEPTH=2 $B $b%
-    one "depth4_top2_$b" env SMOE_LOOKAHEAD_DEPTH=4 SMOE_LOOKAHEAD_TOP=2 $B $b%
 done
 python3 - "$raw" >"$OUT/summary.txt" <<'PY'
 import json, re, sys
@@ -60,7 +59,9 @@ for block in re.split(r'^=== ', text, flags=re.M)[1:]:
     print(f"{name:22s} tok/s {d['decode_tok_per_s']['median']:6.2f}  ÷ I/O bound {f(d['decode_over_io_bound'])}"
           f"  disk {f(d['disk_direct_read_gb_per_s'])} GB/s  read {d['read_bytes_per_token'] / mib:6.1f}"
           f" needed {d['miss_bytes_per_token'] / mib:6.1f} MiB/token  lookahead recall {f(d['lookahead_recall'])}"
-          f"  speculative recall {f(d['speculative_recall'])}")
+          f"  speculative recall {f(d['speculative_recall'])}  hit rate {d['hit_rate']:.3f}"
+          f"  stops {d['vram_slots']['stops']}  fill {d['vram_slots']['fill_s']:.2f} s"
+          f"  guessed reads {d['lookahead_reads']} ({d['lookahead_unused']} unused)")
 PY
 cat "$OUT/summary.txt"
 echo "done in $(el) s"
