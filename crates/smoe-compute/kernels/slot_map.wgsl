@@ -10,7 +10,9 @@
 // A layer with a lookahead (the next MoE layer's router on this layer's input) also halts
 // when a guessed expert has no slot in that layer (`guess`, `next_off`): the host then starts
 // reading the guesses before the pass goes on, as at a stop — running through such a layer
-// would leave the next layer's misses unguessed.
+// would leave the next layer's misses unguessed. Only each token's `guess_keep` best-ranked
+// guesses of its `guess_k` count (the top-k writes them in rank order): the host reads no
+// others.
 //
 // SPEC: a speculative pass (the host runs one while it reads a halted layer's misses, to learn
 // which experts the next layers will choose): it never halts and ignores status; an expert no
@@ -29,9 +31,9 @@ struct Params {
     guess_off: u32,
     next_off: u32,    // the next MoE layer's row of the table
     rw_off: u32,      // SPEC: index of the first chosen id's router weight in rw
-    _pad1: u32,
-    _pad2: u32,
-    _pad3: u32,
+    guess_k: u32,     // lookahead ids per token
+    guess_keep: u32,  // of them, the best-ranked that count
+    _pad: u32,
 }
 
 const NONE: u32 = 0xffffffffu;
@@ -87,7 +89,7 @@ fn main(@builtin(local_invocation_index) i: u32) {
     }
     for (var j = i; j < p.guess_count; j += 64u) {
         let e = guess[p.guess_off + j];
-        if (e < p.experts && table[p.next_off + e] == NONE) {
+        if (j % p.guess_k < p.guess_keep && e < p.experts && table[p.next_off + e] == NONE) {
             atomicStore(&missed, 1u);
         }
     }

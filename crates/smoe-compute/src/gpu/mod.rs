@@ -46,7 +46,7 @@ pub use matvec::{
 };
 pub use ops::{Argmax, EltOp, Eltwise, RmsNorm, WeightedSum};
 pub use router::Router;
-pub use slot_map::{SlotMap, SlotMapBufs, NO_SLOT};
+pub use slot_map::{SlotGuess, SlotMap, SlotMapBufs, NO_SLOT};
 pub use spirv::{kernel_spirv, KernelBinding};
 pub use timestamps::Timestamps;
 /// The wgpu this backend is built on, for callers that create buffers and encoders.

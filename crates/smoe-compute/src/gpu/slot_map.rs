@@ -20,7 +20,9 @@ struct Params {
     guess_off: u32,
     next_off: u32,
     rw_off: u32,
-    _pad: [u32; 3],
+    guess_k: u32,
+    guess_keep: u32,
+    _pad: u32,
 }
 
 /// A slot table entry for an expert that no slot holds.
@@ -40,12 +42,22 @@ pub struct SlotMapBufs<'a> {
     /// `[0]`: 0 while the pass runs on, 1 + the layer that halted it. The host zeroes it
     /// before each submission.
     pub status: &'a wgpu::Buffer,
-    /// A lookahead's `count` guessed ids for MoE layer `.1`: a guess that no slot of that
-    /// layer holds halts the pass too (so the host can start reading it).
-    pub guess: Option<(BufRef<'a>, usize)>,
+    /// A lookahead's guesses: one that no slot of its layer holds halts the pass too (so the
+    /// host can start reading it).
+    pub guess: Option<SlotGuess<'a>>,
     /// A speculative map (`SlotMap` doc): the router weights of the `count` chosen ids, zeroed
     /// where an expert has no slot.
     pub spec: Option<BufRef<'a>>,
+}
+
+/// A lookahead's guessed ids for MoE layer `layer`: `count` (as many as the chosen ids), each
+/// token's `per_token` in rank order, of which the best `keep` halt the pass where no slot
+/// holds them.
+pub struct SlotGuess<'a> {
+    pub ids: BufRef<'a>,
+    pub layer: usize,
+    pub per_token: usize,
+    pub keep: usize,
 }
 
 /// For MoE layer `layer` of `experts`: maps `count` chosen ids (tokens × top-k) to their slots
@@ -86,12 +98,17 @@ impl SlotMap {
         }
         let (ib, ids_off) = b.ids.bind(ctx, "slot map ids", count, 4)?;
         let (gb, guess_off, next) = match &b.guess {
-            Some((g, next)) => {
-                if rows(b.table, experts) <= *next {
+            Some(g) => {
+                if rows(b.table, experts) <= g.layer {
+                    let next = g.layer;
                     return Err(shape(format!("no table row for the guessed layer {next}")));
                 }
-                let (gb, off) = g.bind(ctx, "slot map guesses", count, 4)?;
-                (gb, off, Some(*next))
+                if g.per_token == 0 || !count.is_multiple_of(g.per_token) {
+                    let k = g.per_token;
+                    return Err(shape(format!("{count} guessed ids in tokens of {k}")));
+                }
+                let (gb, off) = g.ids.bind(ctx, "slot map guesses", count, 4)?;
+                (gb, off, Some(g))
             }
             // (Bound but not read; the table, since ids is bound read-write.)
             None => (Binding::whole(b.table), 0, None),
@@ -111,9 +128,11 @@ impl SlotMap {
             chosen_off: (layer * chosen_row) as u32,
             guess_count: next.map_or(0, |_| count as u32),
             guess_off,
-            next_off: (next.unwrap_or(0) * experts) as u32,
+            next_off: (next.map_or(0, |g| g.layer) * experts) as u32,
             rw_off,
-            _pad: [0; 3],
+            guess_k: next.map_or(1, |g| g.per_token) as u32,
+            guess_keep: next.map_or(0, |g| g.keep.min(g.per_token)) as u32,
+            _pad: 0,
         };
         let bufs = [
             ib,

@@ -275,11 +275,12 @@ fn embed_gather_matches_dequantize_row() {
 /// ids become slots and the indirect dispatches after it run; where one has none, the pass
 /// halts (status = 1 + layer; the indirect dispatches after it run no workgroups, those before
 /// it did); after a halt, a later slot map does nothing. Expert ids are kept for the host in
-/// either case. Odd sizes: 60 experts, 2 tokens × top-6 in rows of 24. A speculative map never
+/// either case. Odd sizes: 60 experts, 2 tokens × top-6 in rows of 24. A lookahead guess that no
+/// slot holds halts it too, if among its token's best-ranked kept. A speculative map never
 /// halts, even after a halt: an expert without a slot goes to slot 0 with router weight 0.
 #[test]
 fn slot_map_maps_or_halts_the_pass() {
-    use smoe_compute::gpu::{wgpu, IndirectArgs, Launch, SlotMap, SlotMapBufs, NO_SLOT};
+    use smoe_compute::gpu::{wgpu, IndirectArgs, Launch, SlotGuess, SlotMap, SlotMapBufs, NO_SLOT};
     let Some(ctx) = gpu() else { return };
     let (layers, experts, count, row) = (3, 60, 12, 24);
     // Layer l's table: expert e in slot (e·7 + l) % 40, except every fifth expert of layer 2.
@@ -298,16 +299,18 @@ fn slot_map_maps_or_halts_the_pass() {
         .collect();
     let hits = [&hits[..], &hits[..]].concat()[..count].to_vec();
     let mut misses = hits.clone();
-    misses[7] = 35; // no slot in layer 2
+    misses[7] = 35; // no slot in layer 2 (the second token's second-ranked)
     let logits = rand_vec(1000, 9, 1.0);
-    // (layer, ids, halted before, lookahead guesses for layer 2)
+    // (layer, ids, halted before, lookahead guesses for layer 2 and how many per token count)
     let cases = [
         (1usize, &hits, 0u32, None),
         (2, &hits, 0, None),
         (2, &misses, 0, None),
         (1, &hits, 2, None),
-        (0, &hits, 0, Some(&hits)),
-        (0, &hits, 0, Some(&misses)),
+        (0, &hits, 0, Some((&hits, 6))),
+        (0, &hits, 0, Some((&misses, 6))),
+        (0, &hits, 0, Some((&misses, 2))),
+        (0, &hits, 0, Some((&misses, 1))),
     ];
     // What a slot map reads and writes: ids, the table, chosen ids (poisoned), the status.
     let upload = |ids: &[u32], status: u32| {
@@ -322,7 +325,7 @@ fn slot_map_maps_or_halts_the_pass() {
         let what =
             format!("layer {layer}, ids {ids:?}, halted before: {pre_halted}, guess {guess:?}");
         let (idb, tb, cb, sb) = upload(ids, pre_halted);
-        let gb = ctx.upload("guess", bytemuck::cast_slice(guess.unwrap_or(ids)));
+        let gb = ctx.upload("guess", bytemuck::cast_slice(guess.map_or(ids, |g| g.0)));
         let mut args = IndirectArgs::new(ctx, 8);
         let b = SlotMapBufs {
             ids: BufRef::new(&idb),
@@ -330,7 +333,12 @@ fn slot_map_maps_or_halts_the_pass() {
             chosen: &cb,
             args: &args,
             status: &sb,
-            guess: guess.map(|_| (BufRef::new(&gb), 2)),
+            guess: guess.map(|(_, keep)| SlotGuess {
+                ids: BufRef::new(&gb),
+                layer: 2,
+                per_token: 6,
+                keep,
+            }),
             spec: None,
         };
         let map = SlotMap::new(ctx, &b, layer, experts, count, row).unwrap();
@@ -364,9 +372,12 @@ fn slot_map_maps_or_halts_the_pass() {
         );
         let chosen = read(&cb, layers * row);
         let row_of = |l: usize| &table[l * experts..(l + 1) * experts];
-        // A guess of layer 2 that no slot holds halts the pass like a miss.
+        // A guess of layer 2 that no slot holds halts the pass like a miss, if kept.
+        let kept = |(g, keep): (&Vec<u32>, usize)| -> Vec<u32> {
+            g.chunks(6).flat_map(|t| &t[..keep]).copied().collect()
+        };
         let mapped = ops::slot_map(ids, row_of(layer))
-            .filter(|_| guess.is_none_or(|g| ops::slot_map(g, row_of(2)).is_some()));
+            .filter(|_| guess.is_none_or(|g| ops::slot_map(&kept(g), row_of(2)).is_some()));
         if pre_halted != 0 {
             assert_eq!(read(&sb, 1)[0], pre_halted, "{what}");
             assert_eq!(read(&idb, count), *ids, "{what}: ids left alone");

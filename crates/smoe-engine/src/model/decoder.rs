@@ -327,12 +327,14 @@ impl Decoder {
     /// Lookahead: the next MoE layer's router applied to this layer's input predicts its experts
     /// well (the residual stream changes little per layer), so their reads can start as soon as
     /// this layer's own misses are queued, and overlap this layer's reads and compute. Only a
-    /// prediction: the real routing happens there (which scores it: `note_lookahead`). With a
-    /// deeper `lookahead` the routers of the MoE layers after it guess too, keeping each token's
-    /// `top` best-ranked experts (a deeper guess is right less often, its low ranks least).
+    /// prediction: the real routing happens there (which scores the whole guess:
+    /// `note_lookahead`). With a deeper `lookahead` the routers of the MoE layers after it guess
+    /// too. Reads start for each token's `top` best-ranked experts of each guess (the guesses
+    /// that need a read are wrong mostly in their low ranks, and deeper ones more often).
     fn prefetch_next(&self, l: usize, t: usize, s: &mut Scratch) {
         let c = &self.cfg;
         let (ne, k) = (c.num_experts, c.num_experts_per_tok);
+        let keep = self.lookahead.keep(k);
         let next = (self.layers.iter().enumerate().skip(l + 1))
             .filter_map(|(n, layer)| match &layer.ffn {
                 Ffn::Moe { router, .. } => Some((n, router)),
@@ -340,21 +342,21 @@ impl Decoder {
             })
             .take(self.lookahead.depth);
         for (j, (n, router)) in next.enumerate() {
-            let keep = self.lookahead.keep(j, k);
             let mut logits = vec![0f32; t * ne];
             matmul(mat(router), &s.h, t, &mut logits);
-            let mut want = vec![false; ne];
+            // Each expert's best rank among the tokens' guesses.
+            let mut rank = vec![usize::MAX; ne];
             for row in logits.chunks_exact(ne) {
                 // (In rank order: the best-ranked first.)
                 let top = ops::route_softmax_topk(row, k, c.norm_topk_prob);
-                for &(e, _) in top.iter().take(keep) {
-                    want[e] = true;
+                for (r, &(e, _)) in top.iter().enumerate() {
+                    rank[e] = rank[e].min(r);
                 }
             }
-            let experts: Vec<usize> = (0..ne).filter(|&e| want[e]).collect();
-            self.experts.prefetch_after(n, &experts);
+            let named = |within: usize| (0..ne).filter(|&e| rank[e] < within).collect::<Vec<_>>();
+            self.experts.prefetch_after(n, &named(keep));
             if j == 0 {
-                s.guess = Some((n, experts));
+                s.guess = Some((n, named(k)));
             }
         }
     }

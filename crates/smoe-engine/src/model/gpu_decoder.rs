@@ -41,7 +41,7 @@ mod through;
 
 pub use oracle::RouteTrace;
 pub use streaming::SlotStats;
-use streaming::Streaming;
+use streaming::{best_ranked, Streaming};
 use through::Through;
 
 pub struct GpuDecoder {
@@ -325,8 +325,17 @@ impl GpuDecoder {
                 Some(o) if o.replays() => 0,
                 _ => depth,
             };
-            st.through = Some(Through::new(ctx, &cfg, &acts, st.max_piece, depth, oracle)?);
             st.lookahead = store.lookahead()?;
+            let keep = st.lookahead.keep(cfg.num_experts_per_tok);
+            st.through = Some(Through::new(
+                ctx,
+                &cfg,
+                &acts,
+                st.max_piece,
+                depth,
+                keep,
+                oracle,
+            )?);
         }
         let chain = match weights.embedding(cfg.tie_word_embeddings) {
             Some(e) => {
@@ -574,7 +583,8 @@ impl GpuDecoder {
                         let ids: Vec<u32> = st.ids.read(&self.ctx, bytes, read)?;
                         if let Some(next) = ahead {
                             let guess: Vec<u32> = st.ahead.read(&self.ctx, bytes, read)?;
-                            self.prefetch_guess(st, next, &guess);
+                            let keep = st.lookahead.keep(k);
+                            self.prefetch_guess(st, next, &best_ranked(&guess, k, keep));
                         }
                         let filling = Instant::now();
                         let used: Vec<usize> = ids.iter().map(|&e| e as usize).collect();

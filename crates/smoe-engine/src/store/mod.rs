@@ -140,8 +140,10 @@ pub struct StoreOptions {
     /// Streaming: MoE layers each MoE layer's lookahead predicts (1 to `LOOKAHEAD_MAX`).
     /// None: as `SMOE_LOOKAHEAD_DEPTH` says, else 1.
     pub lookahead_depth: Option<usize>,
-    /// Streaming: experts per token a lookahead guess beyond the next MoE layer keeps, its
-    /// best-ranked (at least 1). None: as `SMOE_LOOKAHEAD_TOP` says, else all of them.
+    /// Streaming: experts per token a lookahead guess keeps (the next MoE layer's and those
+    /// beyond), its best-ranked (at least 1): a guess no slot or cache holds starts a read, and
+    /// such guesses are wrong mostly in their low ranks. None: as `SMOE_LOOKAHEAD_TOP` says,
+    /// else all of them.
     pub lookahead_top: Option<usize>,
 }
 
@@ -153,7 +155,7 @@ pub const LOOKAHEAD_MAX: usize = 4;
 pub struct Lookahead {
     /// MoE layers each MoE layer predicts: the next `depth` (1 to `LOOKAHEAD_MAX`).
     pub depth: usize,
-    /// Experts per token kept of a guess beyond the next MoE layer (the best-ranked).
+    /// Experts per token kept of every guess (the best-ranked).
     pub top: usize,
 }
 
@@ -168,14 +170,9 @@ impl Default for Lookahead {
 }
 
 impl Lookahead {
-    /// Experts per token kept of the guess for the `j`-th next MoE layer (0: the next one, kept
-    /// whole), of the `k` a token routes to.
-    pub fn keep(&self, j: usize, k: usize) -> usize {
-        if j == 0 {
-            k
-        } else {
-            self.top.min(k)
-        }
+    /// Experts per token kept of a guess, of the `k` a token routes to.
+    pub fn keep(&self, k: usize) -> usize {
+        self.top.min(k)
     }
 }
 

@@ -120,17 +120,28 @@ pub fn deep_lookahead_store(depth: usize, top: Option<usize>) -> StoreOptions {
     }
 }
 
-/// A deeper lookahead's guessed reads (used, wasted or cancelled) on fixture `name` (its vault
-/// at `vault`): `one` and `three` MoE layers ahead, and three keeping each token's best-ranked
-/// expert beyond the next. Where there are three MoE layers to guess, the deeper guesses read
-/// more, keeping the best fewer.
-pub fn check_deeper_guesses(name: &str, vault: &Path, [one, three, three_top1]: [u64; 3]) {
+/// A lookahead's guessed reads (used, wasted or cancelled) on fixture `name` (its vault at
+/// `vault`): one MoE layer ahead, the same keeping each token's best-ranked expert, three MoE
+/// layers ahead, and three keeping the best. Keeping the best fewer reads less; where there are
+/// three MoE layers to guess, the deeper guesses read more.
+pub fn check_deeper_guesses(
+    name: &str,
+    vault: &Path,
+    [one, one_top1, three, three_top1]: [u64; 4],
+) {
     let moe_layers = (smoe_vault::Vault::open(vault).unwrap().header.config)
         .moe_layers()
         .count();
     eprintln!(
-        "{name}: guessed reads {one} one layer ahead, {three} three, {three_top1} keeping the best"
+        "{name}: guessed reads {one} one layer ahead ({one_top1} keeping the best), {three} three \
+         ({three_top1} keeping the best)"
     );
+    if moe_layers >= 2 {
+        assert!(
+            one > one_top1,
+            "{name}: {one} guesses one layer ahead, {one_top1} keeping the best one"
+        );
+    }
     if moe_layers >= 3 {
         assert!(
             three > one,

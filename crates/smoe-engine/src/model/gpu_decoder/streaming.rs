@@ -124,6 +124,15 @@ pub(super) struct SlotTable {
     clock: u64,
 }
 
+/// Each token's `keep` best-ranked of `ids` (tokens of `k`, in rank order as the top-k writes
+/// them).
+pub(super) fn best_ranked(ids: &[u32], k: usize, keep: usize) -> Vec<u32> {
+    ids.chunks(k)
+        .flat_map(|t| &t[..keep.min(t.len())])
+        .copied()
+        .collect()
+}
+
 /// The distinct values of `ids`, ascending.
 pub(super) fn distinct(ids: &[u32]) -> Vec<u32> {
     let mut v = ids.to_vec();
