@@ -6,8 +6,9 @@
 //! fills the slots as at a router stop, and resumes the pass at that layer's experts. A layer
 //! whose lookahead guesses an expert of the next MoE layer that no slot holds halts too, so the
 //! host starts that read as at a stop (running through it measured 11 % slower at a 25 %
-//! budget: the next layer's misses went unguessed). A token whose experts and guesses all sit
-//! in VRAM costs one round trip per window instead of one per MoE layer.
+//! budget: the next layer's misses went unguessed); with `SMOE_LOOKAHEAD_TOP=r`, only for one
+//! of a token's r best-ranked guesses, the ones the host reads. A token whose experts and
+//! guesses all sit in VRAM costs one round trip per window instead of one per MoE layer.
 //!
 //! While the host reads a halted layer's misses the GPU would idle, so it runs a speculative
 //! pass instead (`speculate`): the layer's experts with the missing ones left out (slot map
@@ -93,10 +94,10 @@ fn chosen_bytes(cfg: &ModelConfig) -> u64 {
 
 impl Through {
     /// `max_piece`: the largest batch whose experts always fit the slots; `spec_depth`: MoE
-    /// layers a speculative pass looks ahead (0: none); `guess_keep`: each token's best-ranked
-    /// lookahead guesses a slot map halts for (`Lookahead::keep`); `oracle`: a routing trace to record or
-    /// replay (replaying, no layer halts for a lookahead guess: the oracle's reads replace
-    /// those guesses).
+    /// layers a speculative pass looks ahead (0: none); `guess_keep`: how many of each token's
+    /// best-ranked lookahead guesses a slot map halts for (`Lookahead::keep`); `oracle`: a
+    /// routing trace to record or replay (replaying, no layer halts for a lookahead guess: the
+    /// oracle's reads replace those guesses).
     pub(super) fn new(
         ctx: &GpuContext,
         cfg: &ModelConfig,
