@@ -41,7 +41,7 @@ mod through;
 
 pub use oracle::RouteTrace;
 pub use streaming::SlotStats;
-use streaming::{best_ranked, Streaming};
+use streaming::Streaming;
 use through::Through;
 
 pub struct GpuDecoder {
@@ -326,15 +326,9 @@ impl GpuDecoder {
                 _ => depth,
             };
             st.lookahead = store.lookahead()?;
-            let keep = st.lookahead.keep(cfg.num_experts_per_tok);
+            let (piece, lookahead) = (st.max_piece, st.lookahead);
             st.through = Some(Through::new(
-                ctx,
-                &cfg,
-                &acts,
-                st.max_piece,
-                depth,
-                keep,
-                oracle,
+                ctx, &cfg, &acts, piece, depth, lookahead, oracle,
             )?);
         }
         let chain = match weights.embedding(cfg.tie_word_embeddings) {
@@ -583,8 +577,7 @@ impl GpuDecoder {
                         let ids: Vec<u32> = st.ids.read(&self.ctx, bytes, read)?;
                         if let Some(next) = ahead {
                             let guess: Vec<u32> = st.ahead.read(&self.ctx, bytes, read)?;
-                            let keep = st.lookahead.keep(k);
-                            self.prefetch_guess(st, next, &best_ranked(&guess, k, keep));
+                            self.prefetch_guess(st, next, &guess);
                         }
                         let filling = Instant::now();
                         let used: Vec<usize> = ids.iter().map(|&e| e as usize).collect();

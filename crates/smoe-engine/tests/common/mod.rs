@@ -121,14 +121,17 @@ pub fn deep_lookahead_store(depth: usize, top: Option<usize>) -> StoreOptions {
 }
 
 /// A lookahead's guessed reads (used, wasted or cancelled) on fixture `name` (its vault at
-/// `vault`): one MoE layer ahead, the same keeping each token's best-ranked expert, three MoE
-/// layers ahead, and three keeping the best. Keeping the best fewer reads less; where there are
-/// three MoE layers to guess, the deeper guesses read more.
+/// `vault`), as `guessed(depth, top)` counts them: one MoE layer ahead, the same keeping each
+/// token's best-ranked expert, three MoE layers ahead, and three keeping the best. Keeping the
+/// best fewer reads less; where there are three MoE layers to guess, the deeper guesses read
+/// more.
 pub fn check_deeper_guesses(
     name: &str,
     vault: &Path,
-    [one, one_top1, three, three_top1]: [u64; 4],
+    guessed: impl Fn(usize, Option<usize>) -> u64,
 ) {
+    let [one, one_top1, three, three_top1] =
+        [(1, None), (1, Some(1)), (3, None), (3, Some(1))].map(|(d, t)| guessed(d, t));
     let moe_layers = (smoe_vault::Vault::open(vault).unwrap().header.config)
         .moe_layers()
         .count();

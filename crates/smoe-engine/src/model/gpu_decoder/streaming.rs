@@ -37,9 +37,9 @@ pub(super) struct Streaming {
     pub(super) ids: Readback,
     /// The lookahead router's ids (`LayerOps::lookahead`).
     pub(super) ahead: Readback,
-    /// MoE layers each decode layer's lookahead predicts, and the experts per token kept of
-    /// guesses beyond the next (`StoreOptions::lookahead`; the window read-backs start reads
-    /// for all of them).
+    /// MoE layers each decode layer's lookahead predicts, and the experts per token of each
+    /// guess that start reads (`StoreOptions::lookahead`; the window read-backs bring back all
+    /// the guesses).
     pub(super) lookahead: Lookahead,
     hits: AtomicU64,
     misses: AtomicU64,
@@ -122,15 +122,6 @@ pub(super) struct SlotTable {
     /// Per layer: slot → (expert held, last use).
     held: Vec<Vec<(Option<usize>, u64)>>,
     clock: u64,
-}
-
-/// Each token's `keep` best-ranked of `ids` (tokens of `k`, in rank order as the top-k writes
-/// them).
-pub(super) fn best_ranked(ids: &[u32], k: usize, keep: usize) -> Vec<u32> {
-    ids.chunks(k)
-        .flat_map(|t| &t[..keep.min(t.len())])
-        .copied()
-        .collect()
 }
 
 /// The distinct values of `ids`, ascending.
@@ -233,7 +224,19 @@ impl GpuDecoder {
     /// host cache. They are issued after the current layer's own misses (`Experts::prefetch_after`),
     /// so a guess never delays a certain read.
     pub(super) fn prefetch_guess(&self, st: &Streaming, next: usize, guess: &[u32]) {
-        self.experts.prefetch_after(next, &st.missing(next, guess));
+        self.experts
+            .prefetch_after(next, &self.guessed_reads(st, next, guess));
+    }
+
+    /// The experts a lookahead guess for MoE layer `m` (tokens × top-k, in rank order) reads:
+    /// each token's kept best-ranked (`Lookahead::keep`) that no VRAM slot holds.
+    pub(super) fn guessed_reads(&self, st: &Streaming, m: usize, guess: &[u32]) -> Vec<usize> {
+        let k = self.acts.d.k;
+        let kept: Vec<u32> = (guess.chunks(k))
+            .flat_map(|t| &t[..st.lookahead.keep(t.len())])
+            .copied()
+            .collect();
+        st.missing(m, &kept)
     }
 
     /// Streaming, a batch on the GEMM path whose distinct experts outnumber the slots of MoE

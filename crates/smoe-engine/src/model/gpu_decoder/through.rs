@@ -27,11 +27,11 @@
 //! instead: its timestamps mark every step of one submission.
 
 use super::oracle::Oracle;
-use super::streaming::{best_ranked, distinct, Streaming};
+use super::streaming::{distinct, Streaming};
 use super::{nanos, record_head, End, GpuDecoder};
 use crate::error::EngineError;
 use crate::gpu::{Acts, GpuKv, Head, LayerOps, Op, Readback, Recorder, AHEAD_MAX, GEMM_MIN, T_MAX};
-use crate::store::Recall;
+use crate::store::{Lookahead, Recall};
 use smoe_compute::gpu::{
     wgpu, BufRef, GpuContext, IndirectArgs, SlotGuess, SlotMap, SlotMapBufs, NO_SLOT,
 };
@@ -94,17 +94,17 @@ fn chosen_bytes(cfg: &ModelConfig) -> u64 {
 
 impl Through {
     /// `max_piece`: the largest batch whose experts always fit the slots; `spec_depth`: MoE
-    /// layers a speculative pass looks ahead (0: none); `guess_keep`: how many of each token's
-    /// best-ranked lookahead guesses a slot map halts for (`Lookahead::keep`); `oracle`: a
-    /// routing trace to record or replay (replaying, no layer halts for a lookahead guess: the
-    /// oracle's reads replace those guesses).
+    /// layers a speculative pass looks ahead (0: none); `lookahead`: a slot map halts only for
+    /// each token's kept best-ranked guesses (`Lookahead::keep`); `oracle`: a routing trace to
+    /// record or replay (replaying, no layer halts for a lookahead guess: the oracle's reads
+    /// replace those guesses).
     pub(super) fn new(
         ctx: &GpuContext,
         cfg: &ModelConfig,
         acts: &Acts,
         max_piece: usize,
         spec_depth: usize,
-        guess_keep: usize,
+        lookahead: Lookahead,
         oracle: Option<Oracle>,
     ) -> Result<Self, EngineError> {
         let guesses = !oracle.as_ref().is_some_and(Oracle::replays);
@@ -160,7 +160,7 @@ impl Through {
                                 ids: BufRef::new(&acts.ahead[1]),
                                 layer,
                                 per_token: k,
-                                keep: guess_keep,
+                                keep: lookahead.keep(k),
                             }),
                             spec: spec.then(|| BufRef::new(&acts.rw)),
                         };
@@ -361,9 +361,8 @@ impl GpuDecoder {
             }
             self.oracle_reads(st, th, ran.halted.map(|l| (l, ids_of(l))));
             // The lookahead's guesses for the MoE layers after `l` (row j: the j-th), none where
-            // `l` made none or the oracle guesses: each token's `keep` best-ranked experts (the
-            // top-k writes them in rank order; the slot maps halt only for those too).
-            let ahead_of = |l: usize, keep: usize| -> Vec<(usize, Vec<u32>)> {
+            // `l` made none or the oracle guesses.
+            let ahead_of = |l: usize| -> Vec<(usize, Vec<u32>)> {
                 if layers[l].lookahead.is_empty() || th.replays() {
                     return vec![];
                 }
@@ -372,10 +371,9 @@ impl GpuDecoder {
                     .moe_layers()
                     .filter(|&m| m > l)
                     .take(st.lookahead.depth);
-                let row_of = |j: usize| best_ranked(&ran.guess[j * row..j * row + n * k], k, keep);
+                let row_of = |j: usize| ran.guess[j * row..j * row + n * k].to_vec();
                 next.enumerate().map(|(j, m)| (m, row_of(j))).collect()
             };
-            let keep = st.lookahead.keep(k);
             if ran.halted.is_none() && st.lookahead.depth > 1 {
                 // A window that ran through: its last MoE layer's deeper guesses (its next
                 // layer's all sit in VRAM, or it would have halted).
@@ -383,9 +381,8 @@ impl GpuDecoder {
                     .rev()
                     .find(|&l| maps[l].is_some() && !(resume && l == from));
                 // (Started at once: no needed read is being queued.)
-                let deeper = last.map_or(vec![], |l| ahead_of(l, keep));
-                for (m, guess) in deeper.into_iter().skip(1) {
-                    self.experts.prefetch(m, &st.missing(m, &guess));
+                for (m, guess) in last.map_or(vec![], ahead_of).into_iter().skip(1) {
+                    self.experts.prefetch(m, &self.guessed_reads(st, m, &guess));
                 }
             }
             let Some(l) = ran.halted else {
@@ -407,10 +404,9 @@ impl GpuDecoder {
             // While this layer's misses are read, a speculative pass shows what the next layers
             // will choose (a better guess than the lookahead's, which then goes unused).
             let spec = self.speculate(st, th, gkv, layers, n, l, &ids);
-            let ahead = ahead_of(l, keep);
-            // (The whole guess is scored.)
-            if let Some((next_moe, guess)) = ahead_of(l, k).into_iter().next() {
-                guesses.push((next_moe, guess, false));
+            let ahead = ahead_of(l);
+            if let Some((next_moe, guess)) = ahead.first() {
+                guesses.push((*next_moe, guess.clone(), false));
             }
             // The lookahead's guesses beyond the layers a speculative pass shows.
             let deep = &ahead[spec.as_ref().map_or(0, |s| s.layers.len()).min(ahead.len())..];
