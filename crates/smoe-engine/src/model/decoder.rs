@@ -353,7 +353,12 @@ impl Decoder {
                     rank[e] = rank[e].min(r);
                 }
             }
-            let named = |within: usize| (0..ne).filter(|&e| rank[e] < within).collect::<Vec<_>>();
+            // (Best rank first: the store queues a layer's guesses in this order.)
+            let named = |within: usize| {
+                let mut v: Vec<usize> = (0..ne).filter(|&e| rank[e] < within).collect();
+                v.sort_by_key(|&e| rank[e]);
+                v
+            };
             self.experts.prefetch_after(n, &named(keep));
             if j == 0 {
                 s.guess = Some((n, named(k)));

@@ -476,15 +476,26 @@ impl ReadQueue {
         lock(&self.state)
     }
 
-    /// Queues every piece of `read` at its priority.
+    /// Queues every piece of `read` at its priority: needed reads in arrival order, guesses by
+    /// the layer they are for (arrival order within one layer).
     pub fn push(&self, read: &Arc<BlobRead>) {
         let priority = read.state().priority;
         let mut q = self.state();
-        let to = match priority {
-            Priority::Needed => &mut q.needed,
-            Priority::Guess => &mut q.guesses,
-        };
-        to.extend(std::iter::repeat_n(read.clone(), read.pieces));
+        let pieces = std::iter::repeat_n(read.clone(), read.pieces);
+        match priority {
+            Priority::Needed => q.needed.extend(pieces),
+            // Nearest layer first: a deeper lookahead queues its far guesses before the next
+            // layer's own guess comes, which then must not wait behind them (the far ones are
+            // right less often, and needed later).
+            Priority::Guess => {
+                let at = (q.guesses.iter())
+                    .rposition(|r| r.layer <= read.layer)
+                    .map_or(0, |i| i + 1);
+                let later = q.guesses.split_off(at);
+                q.guesses.extend(pieces);
+                q.guesses.extend(later);
+            }
+        }
         drop(q);
         self.ready.notify_all();
     }
@@ -596,6 +607,22 @@ mod tests {
         q.done(a);
         q.done(b);
         q.done(d);
+    }
+
+    #[test]
+    fn guesses_for_nearer_layers_are_read_first() {
+        let q = ReadQueue::new(8);
+        let pool = Arc::new(BufPool::new(KIB16, 4));
+        let guess = |key, layer| {
+            BlobRead::new((key, layer, key, key), 0, KIB16, (Priority::Guess, None, None), &pool)
+        };
+        // Pushed as a deeper lookahead pushes them (one layer's far guesses before a later
+        // layer's near ones): taken by layer, in push order within a layer.
+        for (key, layer) in [(1, 5), (2, 7), (3, 6), (4, 5), (5, 9), (6, 2)] {
+            q.push(&guess(key, layer));
+        }
+        let order: Vec<usize> = (0..6).map(|_| q.pop().unwrap().read.key).collect();
+        assert_eq!(order, [6, 1, 4, 3, 2, 5]);
     }
 
     #[test]

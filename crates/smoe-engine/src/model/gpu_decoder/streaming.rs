@@ -186,11 +186,13 @@ impl Streaming {
 
 impl Streaming {
     /// The distinct experts of `ids` that no VRAM slot of MoE layer `l` holds (ids that are no
-    /// expert of it left out).
+    /// expert of it left out), in the order of their first appearance in `ids` (reads of
+    /// guesses in rank order: the likeliest first).
     pub(super) fn missing(&self, l: usize, ids: &[u32]) -> Vec<usize> {
         let t = self.table.lock().unwrap_or_else(|e| e.into_inner());
-        (distinct(ids).into_iter().map(|e| e as usize))
-            .filter(|&e| t.slot_of[l].get(e).is_some_and(|s| s.is_none()))
+        let mut seen = std::collections::HashSet::new();
+        (ids.iter().map(|&e| e as usize))
+            .filter(|&e| t.slot_of[l].get(e).is_some_and(|s| s.is_none()) && seen.insert(e))
             .collect()
     }
 }
@@ -229,12 +231,13 @@ impl GpuDecoder {
     }
 
     /// The experts a lookahead guess for MoE layer `m` (tokens × top-k, in rank order) reads:
-    /// each token's kept best-ranked (`Lookahead::keep`) that no VRAM slot holds.
+    /// each token's kept best-ranked (`Lookahead::keep`) that no VRAM slot holds, rank by rank
+    /// (every token's best first), so that the queue reads the likeliest first.
     pub(super) fn guessed_reads(&self, st: &Streaming, m: usize, guess: &[u32]) -> Vec<usize> {
         let k = self.acts.d.k;
-        let kept: Vec<u32> = (guess.chunks(k))
-            .flat_map(|t| &t[..st.lookahead.keep(t.len())])
-            .copied()
+        let tokens = guess.len() / k;
+        let kept: Vec<u32> = (0..st.lookahead.keep(k))
+            .flat_map(|r| (0..tokens).map(move |t| guess[t * k + r]))
             .collect();
         st.missing(m, &kept)
     }
