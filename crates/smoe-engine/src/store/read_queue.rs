@@ -4,7 +4,8 @@
 //! few readers read guesses at a time, so a needed read that arrives finds at most those few
 //! pieces ahead of it on the disk. Guesses therefore use the disk's idle time instead of its
 //! bandwidth, and a guess that turns out wrong is dropped piece by piece: the pieces no reader
-//! has started are never read. Several readers share one blob's pieces, so on a device that
+//! has started are never read. Guesses queue by the layer they are for, nearest first, so a
+//! deeper lookahead's far guesses never hold up a nearer layer's. Several readers share one blob's pieces, so on a device that
 //! wants a deep queue (NVMe) even a single miss is read at the device's parallel speed.
 
 use super::aligned::AlignedBuf;
@@ -614,7 +615,13 @@ mod tests {
         let q = ReadQueue::new(8);
         let pool = Arc::new(BufPool::new(KIB16, 4));
         let guess = |key, layer| {
-            BlobRead::new((key, layer, key, key), 0, KIB16, (Priority::Guess, None, None), &pool)
+            BlobRead::new(
+                (key, layer, key, key),
+                0,
+                KIB16,
+                (Priority::Guess, None, None),
+                &pool,
+            )
         };
         // Pushed as a deeper lookahead pushes them (one layer's far guesses before a later
         // layer's near ones): taken by layer, in push order within a layer.
