@@ -9,6 +9,8 @@
 #                              # [".gl", ".dev/pack.tar.xz", ".dev/device.sh"] and run
 #   bash .dev/device.sh "LIMIT=300 bash scripts/lookahead-measure.sh [NAME=ENV ...]"
 #
+# A variant can run another build: pack its `smoe` as an extra directory
+# (`scripts/device-pack.sh .dev/base`) and name it `base=PATH=\$PWD/.dev/base:\$PATH`.
 # VAULT and PRESET (default /tmp/q.smoe, qwen3-30b-a3b) pick the vault to synthesize; LIMIT
 # (seconds, default 300) stops starting runs, so partial results come back; everything
 # goes to $OUT/lookahead.txt (raw JSON) and $OUT/summary.txt. See docs/performance.md ("How
