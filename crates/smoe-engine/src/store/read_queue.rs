@@ -5,8 +5,9 @@
 //! pieces ahead of it on the disk. Guesses therefore use the disk's idle time instead of its
 //! bandwidth, and a guess that turns out wrong is dropped piece by piece: the pieces no reader
 //! has started are never read. Guesses queue by the layer they are for, nearest first, so a
-//! deeper lookahead's far guesses never hold up a nearer layer's. Several readers share one blob's pieces, so on a device that
-//! wants a deep queue (NVMe) even a single miss is read at the device's parallel speed.
+//! deeper lookahead's far guesses never hold up a nearer layer's. Several readers share one
+//! blob's pieces, so on a device that wants a deep queue (NVMe) even a single miss is read at
+//! the device's parallel speed.
 
 use super::aligned::AlignedBuf;
 use crate::error::EngineError;
