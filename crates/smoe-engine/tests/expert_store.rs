@@ -275,6 +275,37 @@ fn wrong_lookahead_guesses_are_dropped_unread() {
     assert_eq!(st.total.bytes_read as usize, got[0].1, "{st:?}");
 }
 
+/// A layer that ran without asking for its experts (on the GPU: all it chose sat in VRAM)
+/// drops its guesses no reader has started: they are never read. The one being read stays a
+/// guess its layer can still use, and reads started as needed and other layers' guesses are
+/// untouched. (One reader, each read held 200 ms.)
+#[test]
+fn a_layer_that_ran_drops_its_queued_guesses() {
+    let v = TempVault::new("tiny-tied", DType::Q4);
+    let (experts, reads) = slow_logged_store(&v, 200);
+    assert_eq!(experts.prefetch(0, &[0, 1, 2]), 3);
+    // Once the one reader has started guess 0.
+    wait_for_a_read(&reads);
+    assert_eq!(experts.fetch_early(0, &[3]), 1);
+    assert_eq!(experts.prefetch(1, &[0]), 1);
+    experts.drop_guesses(0);
+    experts
+        .for_each_blob(1, &[0], (None, &[]), &mut |_, _| {})
+        .unwrap();
+    experts
+        .for_each_blob(0, &[0, 3], (None, &[]), &mut |_, _| {})
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let mut read = reads.lock().unwrap().clone();
+    read.sort_unstable();
+    assert_eq!(read, vec![(0, 0), (0, 3), (1, 0)]);
+    let st = experts.stats().unwrap();
+    assert_eq!(st.per_layer[0].prefetch_cancelled, 2, "{st:?}");
+    assert_eq!(st.per_layer[0].prefetch_wasted, 0, "{st:?}");
+    assert_eq!(st.per_layer[0].prefetched, 1, "{st:?}");
+    assert_eq!(st.per_layer[1].prefetched, 1, "{st:?}");
+}
+
 /// Waits until the logged store's reader has started a read (it logs as it starts).
 fn wait_for_a_read(reads: &ReadLog) {
     let t = std::time::Instant::now();

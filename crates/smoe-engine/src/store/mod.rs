@@ -404,6 +404,14 @@ impl Experts {
         }
     }
 
+    /// Drops the lookahead guesses for `layer` that no reader has started, when it ran without
+    /// asking for its experts (streaming only; a no-op otherwise): none of them was needed.
+    pub fn drop_guesses(&self, layer: usize) {
+        if let Source::Streamed(s) = &self.source {
+            s.drop_guesses(layer);
+        }
+    }
+
     /// Adds the score of a lookahead guess of `layer`'s experts (streaming only): `--stats`'
     /// lookahead recall.
     pub fn note_lookahead(&self, layer: usize, r: Recall) {

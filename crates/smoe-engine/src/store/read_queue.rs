@@ -429,6 +429,19 @@ impl BlobRead {
         }
     }
 
+    /// Drops a read no reader has started (its pieces are never read); false, and nothing
+    /// changed, once one has.
+    fn cancel_unstarted(&self) -> bool {
+        let mut s = self.state();
+        if s.next > 0 || s.result.is_some() {
+            return false;
+        }
+        s.abandoned = true;
+        s.unfinished = 0;
+        s.next = self.pieces;
+        true
+    }
+
     /// A guess the layer needs after all: its remaining pieces, to queue as needed.
     fn promote(&self) -> usize {
         let mut s = self.state();
@@ -518,6 +531,18 @@ impl ReadQueue {
         let a = read.abandon();
         self.state().guesses.retain(|r| !Arc::ptr_eq(r, read));
         a
+    }
+
+    /// Drops a read that no reader has started, with its queued pieces; false (nothing
+    /// changed) once one has.
+    pub fn cancel_unstarted(&self, read: &Arc<BlobRead>) -> bool {
+        let cancelled = read.cancel_unstarted();
+        if cancelled {
+            let mut q = self.state();
+            q.guesses.retain(|r| !Arc::ptr_eq(r, read));
+            q.needed.retain(|r| !Arc::ptr_eq(r, read));
+        }
+        cancelled
     }
 
     /// The next piece's entry: needed ones first; a guess only while fewer than

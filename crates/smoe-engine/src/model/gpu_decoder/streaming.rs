@@ -434,6 +434,9 @@ impl GpuDecoder {
     ) -> Result<(), EngineError> {
         let used: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
         self.experts.note_uses(l, &used);
+        // Every expert it chose sat in VRAM: its guesses still queued were wrong (a layer
+        // that stops drops them at its fill).
+        self.experts.drop_guesses(l);
         let experts = distinct(ids);
         let mut t = st.table.lock().unwrap_or_else(|e| e.into_inner());
         t.clock += 1;
