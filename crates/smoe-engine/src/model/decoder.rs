@@ -353,15 +353,13 @@ impl Decoder {
                     rank[e] = rank[e].min(r);
                 }
             }
-            // (Best rank first: the store queues a layer's guesses in this order.)
-            let named = |within: usize| {
-                let mut v: Vec<usize> = (0..ne).filter(|&e| rank[e] < within).collect();
-                v.sort_by_key(|&e| rank[e]);
-                v
-            };
-            self.experts.prefetch_after(n, &named(keep));
+            // Best rank first: the store queues a layer's guesses in this order.
+            let mut named: Vec<usize> = (0..ne).filter(|&e| rank[e] < k).collect();
+            named.sort_by_key(|&e| rank[e]);
+            let kept = named.partition_point(|&e| rank[e] < keep);
+            self.experts.prefetch_after(n, &named[..kept]);
             if j == 0 {
-                s.guess = Some((n, named(k)));
+                s.guess = Some((n, named));
             }
         }
     }

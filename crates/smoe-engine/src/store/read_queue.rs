@@ -415,31 +415,29 @@ impl BlobRead {
 
     /// A guess the layer turned out not to need: its pieces not yet started are dropped.
     pub fn abandon(&self) -> Abandoned {
-        let mut s = self.state();
-        if let Some(r) = s.result.take() {
-            return Abandoned::Done(r);
-        }
-        s.abandoned = true;
-        let started = s.next > 0;
-        s.unfinished -= self.pieces - s.next;
-        s.next = self.pieces;
-        match started {
-            true => Abandoned::InFlight,
-            false => Abandoned::Cancelled,
-        }
+        self.abandon_if(false)
+            .expect("abandoned whether started or not")
     }
 
-    /// Drops a read no reader has started (its pieces are never read); false, and nothing
-    /// changed, once one has.
-    fn cancel_unstarted(&self) -> bool {
+    /// `abandon`, or with `unstarted_only` only if no reader has started it (None, and nothing
+    /// changed, if one has).
+    fn abandon_if(&self, unstarted_only: bool) -> Option<Abandoned> {
         let mut s = self.state();
-        if s.next > 0 || s.result.is_some() {
-            return false;
+        let started = s.next > 0;
+        // (A read with a result was started.)
+        if unstarted_only && started {
+            return None;
+        }
+        if let Some(r) = s.result.take() {
+            return Some(Abandoned::Done(r));
         }
         s.abandoned = true;
-        s.unfinished = 0;
+        s.unfinished -= self.pieces - s.next;
         s.next = self.pieces;
-        true
+        Some(match started {
+            true => Abandoned::InFlight,
+            false => Abandoned::Cancelled,
+        })
     }
 
     /// A guess the layer needs after all: its remaining pieces, to queue as needed.
@@ -533,14 +531,12 @@ impl ReadQueue {
         a
     }
 
-    /// Drops a read that no reader has started, with its queued pieces; false (nothing
-    /// changed) once one has.
+    /// Abandons a guess, with its queued pieces, only if no reader has started it; false
+    /// (nothing changed) once one has.
     pub fn cancel_unstarted(&self, read: &Arc<BlobRead>) -> bool {
-        let cancelled = read.cancel_unstarted();
+        let cancelled = read.abandon_if(true).is_some();
         if cancelled {
-            let mut q = self.state();
-            q.guesses.retain(|r| !Arc::ptr_eq(r, read));
-            q.needed.retain(|r| !Arc::ptr_eq(r, read));
+            self.state().guesses.retain(|r| !Arc::ptr_eq(r, read));
         }
         cancelled
     }

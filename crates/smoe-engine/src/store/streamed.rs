@@ -260,7 +260,17 @@ impl StreamedStore {
         }
         // Dropped before this layer's own reads are queued: the pieces no reader has started
         // are never read, and nothing waits for those being read.
-        let (wasted, cancelled) = self.abandon(stale);
+        let (mut wasted, mut cancelled) = (0u64, 0u64);
+        for read in stale {
+            match self.queue.abandon(&read) {
+                Abandoned::Cancelled => cancelled += 1,
+                Abandoned::InFlight => wasted += 1,
+                Abandoned::Done((key, r, _)) => {
+                    wasted += 1;
+                    self.keep_unneeded(key, r);
+                }
+            }
+        }
         // Guesses that were right go first (they started earlier), then the new reads.
         for read in &guessed {
             self.queue.promote(read);
@@ -336,31 +346,11 @@ impl StreamedStore {
         let cancelled = {
             let mut pre = self.prefetched.lock().unwrap();
             let range = layer * self.n_experts..(layer + 1) * self.n_experts;
-            let keys: Vec<usize> = (pre.iter())
-                .filter(|(k, r)| range.contains(k) && r.guess && self.queue.cancel_unstarted(r))
-                .map(|(&k, _)| k)
-                .collect();
-            keys.iter().for_each(|k| drop(pre.remove(k)));
-            keys.len() as u64
+            let before = pre.len();
+            pre.retain(|k, r| !(range.contains(k) && r.guess && self.queue.cancel_unstarted(r)));
+            (before - pre.len()) as u64
         };
         self.stats.lock().unwrap().per_layer[layer].prefetch_cancelled += cancelled;
-    }
-
-    /// Abandons reads nobody will wait for (`ReadQueue::abandon`); a blob already read whole is
-    /// cached. Returns how many were read at least in part and how many were cancelled unread.
-    fn abandon(&self, stale: Vec<Arc<BlobRead>>) -> (u64, u64) {
-        let (mut wasted, mut cancelled) = (0u64, 0u64);
-        for read in stale {
-            match self.queue.abandon(&read) {
-                Abandoned::Cancelled => cancelled += 1,
-                Abandoned::InFlight => wasted += 1,
-                Abandoned::Done((key, r, _)) => {
-                    wasted += 1;
-                    self.keep_unneeded(key, r);
-                }
-            }
-        }
-        (wasted, cancelled)
     }
 
     pub fn tick(&self) {

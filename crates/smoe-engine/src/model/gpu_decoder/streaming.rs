@@ -190,10 +190,13 @@ impl Streaming {
     /// guesses in rank order: the likeliest first).
     pub(super) fn missing(&self, l: usize, ids: &[u32]) -> Vec<usize> {
         let t = self.table.lock().unwrap_or_else(|e| e.into_inner());
-        let mut seen = std::collections::HashSet::new();
-        (ids.iter().map(|&e| e as usize))
-            .filter(|&e| t.slot_of[l].get(e).is_some_and(|s| s.is_none()) && seen.insert(e))
-            .collect()
+        let mut out: Vec<usize> = vec![];
+        for e in ids.iter().map(|&e| e as usize) {
+            if t.slot_of[l].get(e).is_some_and(|s| s.is_none()) && !out.contains(&e) {
+                out.push(e);
+            }
+        }
+        out
     }
 }
 
