@@ -3,7 +3,8 @@
 # synthesizes the q4 30B-A3B vault, records its routing at 100 %, then at 25 % and 50 % budgets
 # runs, alternating, the default (one MoE layer ahead), SMOE_LOOKAHEAD_DEPTH=4 with and without
 # SMOE_LOOKAHEAD_TOP=4, and the routing oracle (perfect guesses four layers ahead), then prints
-# one line per run (tok/s, ratio to the I/O bound, MiB read and needed per token, recalls).
+# two lines per run (tok/s, ratio to the I/O bound, MiB read and needed per token, recalls;
+# then where the passes' time went).
 #
 #   scripts/device-pack.sh     # here; then with the device tool, carry
 #                              # [".gl", ".dev/pack.tar.xz", ".dev/device.sh"] and run
@@ -63,7 +64,13 @@ for block in re.split(r'^=== ', text, flags=re.M)[1:]:
           f" needed {d['miss_bytes_per_token'] / mib:6.1f} MiB/token  lookahead recall {f(d['lookahead_recall'])}"
           f"  speculative recall {f(d['speculative_recall'])}  hit rate {d['hit_rate']:.3f}"
           f"  stops {d['vram_slots']['stops']}  fill {d['vram_slots']['fill_s']:.2f} s"
-          f"  guessed reads {d['lookahead_reads']} ({d['lookahead_unused']} unused)")
+          f"  guessed reads {d['lookahead_reads']} ({d['lookahead_unused']} unused,"
+          f" {d.get('lookahead_dropped', 'n/a')} dropped)")
+    # Where the passes' time went (s): reads waited for, whole blobs copied into slots, the
+    # GPU waited for at the stops, all passes.
+    v = d['vram_slots']
+    print(f"{'':22s} io wait {d['io_wait_s']:.2f}  upload {v['upload_s']:.2f}"
+          f"  gpu wait {v['gpu_wait_s']:.2f}  passes {v['pass_s']:.2f}  reads {d['read_gb_per_s']:.2f} GB/s")
 PY
 cat "$OUT/summary.txt"
 echo "done in $(el) s"
