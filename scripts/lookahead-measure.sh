@@ -66,10 +66,10 @@ for block in re.split(r'^=== ', text, flags=re.M)[1:]:
           f"  stops {d['vram_slots']['stops']}  fill {d['vram_slots']['fill_s']:.2f} s"
           f"  guessed reads {d['lookahead_reads']} ({d['lookahead_unused']} unused,"
           f" {d.get('lookahead_dropped', 'n/a')} dropped)")
-    # Where the passes' time went (s): reads waited for, whole blobs copied into slots, the
-    # GPU waited for at the stops, all passes.
+    # Where the passes' time went (s): reads waited for, whole blobs copied into slots, slot
+    # buffers mapped and unmapped, the GPU waited for at the stops, all passes.
     v = d['vram_slots']
-    print(f"{'':22s} io wait {d['io_wait_s']:.2f}  upload {v['upload_s']:.2f}"
+    print(f"{'':22s} io wait {d['io_wait_s']:.2f}  upload {v['upload_s']:.2f}  map {v.get('map_s', float('nan')):.2f}"
           f"  gpu wait {v['gpu_wait_s']:.2f}  passes {v['pass_s']:.2f}  reads {d['read_gb_per_s']:.2f} GB/s")
 PY
 cat "$OUT/summary.txt"

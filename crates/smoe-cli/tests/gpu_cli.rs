@@ -306,7 +306,7 @@ fn bench_decode_streaming_reports_the_router_stops() {
     assert!(f("hit_stops") <= f("stops"), "{v}");
     assert!(f("hits") + f("misses") > 0.0, "{v}");
     assert!(f("pass_s") >= f("gpu_wait_s") + f("fill_s"), "{v}");
-    assert!(f("fill_s") >= f("upload_s"), "{v}");
+    assert!(f("fill_s") >= f("upload_s") + f("map_s"), "{v}");
     // Slots the host maps where the device offers it; on unified memory (lavapipe in CI) disk
     // reads land in them.
     let ctx = smoe_engine::gpu::context().unwrap();

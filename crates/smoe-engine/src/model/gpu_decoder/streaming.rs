@@ -47,6 +47,7 @@ pub(super) struct Streaming {
     pub(super) gpu_wait_ns: AtomicU64,
     pub(super) fill_ns: AtomicU64,
     upload_ns: AtomicU64,
+    map_ns: AtomicU64,
     pub(super) pass_ns: AtomicU64,
     stops: AtomicU64,
     /// Stops where every chosen expert already had a slot (`SlotStats::hit_stops`).
@@ -104,6 +105,9 @@ pub struct SlotStats {
     /// blobs read at the stop are copied by the reader threads as they arrive, overlapping the
     /// reads).
     pub upload_s: f64,
+    /// Mapping the layer's slot buffer for the host's writes at a stop with misses, and
+    /// unmapping it after (the mapping waits for the GPU to be done with the buffer).
+    pub map_s: f64,
     /// Forward passes in all (the rest is recording, submitting and the last wait).
     pub pass_s: f64,
     /// The host writes blobs straight into the slots through a mapping (`gpu::slots`); false:
@@ -173,6 +177,7 @@ impl Streaming {
             gpu_wait_ns: AtomicU64::new(0),
             fill_ns: AtomicU64::new(0),
             upload_ns: AtomicU64::new(0),
+            map_ns: AtomicU64::new(0),
             pass_ns: AtomicU64::new(0),
             stops: AtomicU64::new(0),
             hit_stops: AtomicU64::new(0),
@@ -353,6 +358,7 @@ impl GpuDecoder {
         };
         // (Called even without misses: it also drops this layer's unused lookahead reads and
         // starts the next layer's.)
+        let mapping = Instant::now();
         let writer = match misses.is_empty() {
             true => None,
             false => match SlotWriter::open(&self.ctx, &slots.buf, slots.mappable, st.lands) {
@@ -363,6 +369,8 @@ impl GpuDecoder {
                 }
             },
         };
+        st.map_ns
+            .fetch_add(nanos(mapping.elapsed()), Ordering::Relaxed);
         // Blobs read from disk now reach their slots piece by piece from the reader threads,
         // each piece as soon as it is read; hits in the host cache and lookahead reads are
         // copied here.
@@ -406,7 +414,9 @@ impl GpuDecoder {
                 });
         // Every read this stop waited for is done: nothing writes into the slots any more.
         if let Some(w) = &writer {
+            let t = Instant::now();
             w.finish();
+            st.map_ns.fetch_add(nanos(t.elapsed()), Ordering::Relaxed);
         }
         if let Err(err) = read {
             forget(slot_of, held);
@@ -510,6 +520,7 @@ impl GpuDecoder {
             gpu_wait_s: secs(&s.gpu_wait_ns),
             fill_s: secs(&s.fill_ns),
             upload_s: secs(&s.upload_ns),
+            map_s: secs(&s.map_ns),
             pass_s: secs(&s.pass_ns),
             mapped: s.mapped,
             landed: s.landed.load(Ordering::Relaxed),
@@ -531,6 +542,7 @@ impl GpuDecoder {
                 &s.gpu_wait_ns,
                 &s.fill_ns,
                 &s.upload_ns,
+                &s.map_ns,
                 &s.pass_ns,
                 &s.landed,
             ] {
