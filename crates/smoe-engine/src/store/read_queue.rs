@@ -504,9 +504,12 @@ impl ReadQueue {
                 let at = (q.guesses.iter())
                     .rposition(|r| r.layer <= read.layer)
                     .map_or(0, |i| i + 1);
-                let later = q.guesses.split_off(at);
+                let farther = q.guesses.len() - at;
                 q.guesses.extend(pieces);
-                q.guesses.extend(later);
+                // (In place: the new pieces move from the back to `at`.)
+                if farther > 0 {
+                    q.guesses.make_contiguous()[at..].rotate_right(read.pieces);
+                }
             }
         }
         drop(q);

@@ -254,7 +254,7 @@ impl StreamedStore {
                 }
             }
             // Lookahead reads of this layer that turned out not to be needed.
-            let range = layer * self.n_experts..(layer + 1) * self.n_experts;
+            let range = self.keys_of(layer);
             let keys: Vec<usize> = pre.keys().copied().filter(|k| range.contains(k)).collect();
             stale.extend(keys.into_iter().map(|k| pre.remove(&k).unwrap()));
         }
@@ -345,12 +345,21 @@ impl StreamedStore {
     pub fn drop_guesses(&self, layer: usize) {
         let cancelled = {
             let mut pre = self.prefetched.lock().unwrap();
-            let range = layer * self.n_experts..(layer + 1) * self.n_experts;
+            let range = self.keys_of(layer);
             let before = pre.len();
+            // (The predicate cancels: a guess leaves the map only if no reader had started it.)
             pre.retain(|k, r| !(range.contains(k) && r.guess && self.queue.cancel_unstarted(r)));
             (before - pre.len()) as u64
         };
-        self.stats.lock().unwrap().per_layer[layer].prefetch_cancelled += cancelled;
+        // (Called for every MoE layer a GPU pass runs through: mostly nothing to count.)
+        if cancelled > 0 {
+            self.stats.lock().unwrap().per_layer[layer].prefetch_cancelled += cancelled;
+        }
+    }
+
+    /// The cache and read keys of `layer`'s experts (`layer * n_experts + expert`).
+    fn keys_of(&self, layer: usize) -> std::ops::Range<usize> {
+        layer * self.n_experts..(layer + 1) * self.n_experts
     }
 
     pub fn tick(&self) {

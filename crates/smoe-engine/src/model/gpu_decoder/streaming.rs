@@ -358,19 +358,22 @@ impl GpuDecoder {
         };
         // (Called even without misses: it also drops this layer's unused lookahead reads and
         // starts the next layer's.)
-        let mapping = Instant::now();
         let writer = match misses.is_empty() {
             true => None,
-            false => match SlotWriter::open(&self.ctx, &slots.buf, slots.mappable, st.lands) {
-                Ok(w) => Some(Arc::new(w)),
-                Err(err) => {
-                    forget(slot_of, held);
-                    return Err(err);
+            false => {
+                let mapping = Instant::now();
+                let opened = SlotWriter::open(&self.ctx, &slots.buf, slots.mappable, st.lands);
+                st.map_ns
+                    .fetch_add(nanos(mapping.elapsed()), Ordering::Relaxed);
+                match opened {
+                    Ok(w) => Some(Arc::new(w)),
+                    Err(err) => {
+                        forget(slot_of, held);
+                        return Err(err);
+                    }
                 }
-            },
+            }
         };
-        st.map_ns
-            .fetch_add(nanos(mapping.elapsed()), Ordering::Relaxed);
         // Blobs read from disk now reach their slots piece by piece from the reader threads,
         // each piece as soon as it is read; hits in the host cache and lookahead reads are
         // copied here.
