@@ -71,6 +71,11 @@ for block in re.split(r'^=== ', text, flags=re.M)[1:]:
     v = d['vram_slots']
     print(f"{'':22s} io wait {d['io_wait_s']:.2f}  upload {v['upload_s']:.2f}  map {v.get('map_s', float('nan')):.2f}"
           f"  gpu wait {v['gpu_wait_s']:.2f}  passes {v['pass_s']:.2f}  reads {d['read_gb_per_s']:.2f} GB/s")
+    # The disk's idle time (no read in flight) in the passes, their GPU waits and their fills.
+    i = v.get('disk_idle')
+    if i:
+        print(f"{'':22s} disk idle {i['pass_s']:.2f} (in GPU waits {i['gpu_wait_s']:.2f}, fills {i['fill_s']:.2f},"
+              f" elsewhere {i['pass_s'] - i['gpu_wait_s'] - i['fill_s']:.2f})")
 PY
 cat "$OUT/summary.txt"
 echo "done in $(el) s"

@@ -89,7 +89,7 @@ impl StoreArgs {
                 0.0
             };
             eprintln!(
-                "[VRAM expert slots: {} hits, {} misses ({rate:.1}% hit rate); passes {:.3}s: GPU wait {:.3}s, filling slots {:.3}s (uploads {:.3}s, mapping {:.3}s) at {} router stops ({} found every expert in VRAM), {} MoE layers ran through without one; {} speculative passes started {} reads{}{}; filled {}; GPU clocks {}; the line below is the host store behind them]",
+                "[VRAM expert slots: {} hits, {} misses ({rate:.1}% hit rate); passes {:.3}s: GPU wait {:.3}s, filling slots {:.3}s (uploads {:.3}s, mapping {:.3}s), no disk read in flight for {:.3}s of them ({:.3}s in GPU waits, {:.3}s filling); {} router stops ({} found every expert in VRAM), {} MoE layers ran through without one; {} speculative passes started {} reads{}{}; filled {}; GPU clocks {}; the line below is the host store behind them]",
                 v.hits,
                 v.misses,
                 v.pass_s,
@@ -97,6 +97,9 @@ impl StoreArgs {
                 v.fill_s,
                 v.upload_s,
                 v.map_s,
+                v.disk_idle.pass_s,
+                v.disk_idle.gpu_wait_s,
+                v.disk_idle.fill_s,
                 v.stops,
                 v.hit_stops,
                 v.run_through,

@@ -307,6 +307,21 @@ fn bench_decode_streaming_reports_the_router_stops() {
     assert!(f("hits") + f("misses") > 0.0, "{v}");
     assert!(f("pass_s") >= f("gpu_wait_s") + f("fill_s"), "{v}");
     assert!(f("fill_s") >= f("upload_s") + f("map_s"), "{v}");
+    // The disk's idle time within each span is at most the span (readings of two clocks taken
+    // a moment apart: 1 ms of slack), and the passes' holds the waits' and fills'.
+    let idle = |k: &str| {
+        s["disk_idle"][k]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{k}: {v}"))
+    };
+    assert!(idle("gpu_wait_s") <= f("gpu_wait_s") + 1e-3, "{v}");
+    assert!(idle("fill_s") <= f("fill_s") + 1e-3, "{v}");
+    assert!(idle("pass_s") <= f("pass_s") + 1e-3, "{v}");
+    assert!(
+        idle("pass_s") + 1e-3 >= idle("gpu_wait_s") + idle("fill_s"),
+        "{v}"
+    );
+    assert!(idle("pass_s") > 0.0, "{v}");
     // Slots the host maps where the device offers it; on unified memory (lavapipe in CI) disk
     // reads land in them.
     let ctx = smoe_engine::gpu::context().unwrap();

@@ -40,8 +40,8 @@ mod streaming;
 mod through;
 
 pub use oracle::RouteTrace;
-pub use streaming::SlotStats;
 use streaming::Streaming;
+pub use streaming::{DiskIdle, SlotStats};
 use through::Through;
 
 pub struct GpuDecoder {
@@ -125,6 +125,11 @@ impl Profiling {
 
 fn nanos(d: std::time::Duration) -> u64 {
     d.as_nanos() as u64
+}
+
+/// Adds the disk's idle time since `from` (a reading of `GpuDecoder::disk_idle`) to `to`.
+fn add_idle(to: &AtomicU64, from: f64, now: f64) {
+    to.fetch_add(((now - from).max(0.0) * 1e9) as u64, Ordering::Relaxed);
 }
 
 /// Layers per submission on the resident path: the GPU starts on the first layers while the
@@ -483,6 +488,7 @@ impl GpuDecoder {
         let gkv = kv.gpu.as_deref().expect("prepared");
         let mut rows = self.running.lock().unwrap_or_else(|e| e.into_inner());
         let started = Instant::now();
+        let idle_from = self.disk_idle();
         let mut host = std::time::Duration::ZERO;
         let mut prof = self.profiling.lock().unwrap_or_else(|e| e.into_inner());
         let mut greedy = None;
@@ -573,6 +579,7 @@ impl GpuDecoder {
                         // slot indices it reads are written (`write_buffer`) before its submit.
                         next = record(l, true);
                         let waiting = Instant::now();
+                        let idle_waiting = self.disk_idle();
                         let read = |b: &[u8]| bytemuck::pod_collect_to_vec(b);
                         let ids: Vec<u32> = st.ids.read(&self.ctx, bytes, read)?;
                         if let Some(next) = ahead {
@@ -580,6 +587,7 @@ impl GpuDecoder {
                             self.prefetch_guess(st, next, &guess);
                         }
                         let filling = Instant::now();
+                        let idle_filling = self.disk_idle();
                         let used: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
                         self.experts.note_uses(l, &used);
                         let ops = &layers[l];
@@ -589,6 +597,9 @@ impl GpuDecoder {
                             .fetch_add(nanos(filling - waiting), Ordering::Relaxed);
                         st.fill_ns
                             .fetch_add(nanos(filling.elapsed()), Ordering::Relaxed);
+                        let idle_filled = self.disk_idle();
+                        add_idle(&st.idle_gpu_wait_ns, idle_waiting, idle_filling);
+                        add_idle(&st.idle_fill_ns, idle_filling, idle_filled);
                         q.write_buffer(&self.acts.ids, 0, bytemuck::cast_slice(&slots));
                     }
                 }
@@ -620,8 +631,14 @@ impl GpuDecoder {
             self.experts.tick();
             st.pass_ns
                 .fetch_add(nanos(started.elapsed()), Ordering::Relaxed);
+            add_idle(&st.idle_pass_ns, idle_from, self.disk_idle());
         }
         Ok(greedy)
+    }
+
+    /// The store's disk-idle clock (`Experts::disk_idle_s`; 0 when the experts are resident).
+    fn disk_idle(&self) -> f64 {
+        self.experts.disk_idle_s().unwrap_or(0.0)
     }
 
     /// Records the copy of what a pass of n tokens returns (`end`; `last`: its last piece) into

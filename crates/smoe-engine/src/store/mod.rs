@@ -404,6 +404,16 @@ impl Experts {
         }
     }
 
+    /// Streaming: seconds since the store opened during which no read was in flight (a
+    /// monotone clock; the difference of two readings is the disk's idle time between them).
+    /// `None` when the experts are resident.
+    pub fn disk_idle_s(&self) -> Option<f64> {
+        match &self.source {
+            Source::Streamed(s) => Some(s.disk_idle_s()),
+            _ => None,
+        }
+    }
+
     /// Drops the lookahead guesses for `layer` that no reader has started, when it ran without
     /// asking for its experts (streaming only; a no-op otherwise): none of them was needed.
     pub fn drop_guesses(&self, layer: usize) {

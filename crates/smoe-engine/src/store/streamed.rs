@@ -27,8 +27,9 @@ pub struct StreamedStore {
     /// Read buffers for reuse (evicted entries, dropped guesses, failed reads).
     pool: Arc<BufPool>,
     reader: Arc<BlobReader>,
-    /// Wall time during which at least one read was in flight, for read GB/s.
-    busy: Mutex<(f64, usize, Option<Instant>)>,
+    /// Wall time during which at least one read was in flight (read GB/s), and when no read
+    /// was (`disk_idle_s`).
+    busy: Mutex<Busy>,
     /// Lookahead reads queued, in flight or done, by expert key, until their layer takes them.
     prefetched: Mutex<HashMap<usize, Arc<BlobRead>>>,
     /// Lookahead guesses (per later layer) to start once the next `for_each_blob` has queued
@@ -77,7 +78,7 @@ impl StreamedStore {
                 pool_keep(x.blob_stride),
             )),
             reader: Arc::new(reader),
-            busy: Mutex::new((0.0, 0, None)),
+            busy: Mutex::new(Busy::new()),
             prefetched: Mutex::new(HashMap::new()),
             deferred: Mutex::new(vec![]),
         });
@@ -374,7 +375,7 @@ impl StreamedStore {
     /// Stats so far, with totals and the cache's current size.
     pub fn stats(&self) -> StoreStats {
         let mut st = self.stats.lock().unwrap().clone();
-        let busy = self.busy.lock().unwrap().0;
+        let busy = self.busy.lock().unwrap().secs;
         st.cache_bytes = self.cache.lock().unwrap().used();
         st.direct_io = self.reader.is_direct();
         (st.buffer_allocs, st.buffer_alloc_seconds) = self.pool.inline_allocs();
@@ -384,7 +385,7 @@ impl StreamedStore {
 
     pub fn reset_stats(&self) {
         self.stats.lock().unwrap().reset();
-        self.busy.lock().unwrap().0 = 0.0;
+        self.busy.lock().unwrap().secs = 0.0;
         self.pool.reset_inline_allocs();
     }
 
@@ -409,20 +410,14 @@ impl StreamedStore {
     }
 
     fn busy(&self, start: bool) {
-        let mut b = self.busy.lock().unwrap();
-        if start {
-            if b.1 == 0 {
-                b.2 = Some(Instant::now());
-            }
-            b.1 += 1;
-        } else {
-            b.1 -= 1;
-            if b.1 == 0 {
-                if let Some(t) = b.2.take() {
-                    b.0 += t.elapsed().as_secs_f64();
-                }
-            }
-        }
+        self.busy.lock().unwrap().change(start);
+    }
+
+    /// Seconds since the store opened during which no read was in flight: a monotone clock,
+    /// so that a caller can tell how long the disk sat idle over a span of its own (the
+    /// difference of two readings).
+    pub fn disk_idle_s(&self) -> f64 {
+        self.busy.lock().unwrap().idle_s()
     }
 }
 
@@ -453,9 +448,56 @@ fn guess_readers(threads: usize) -> usize {
     threads.div_ceil(4)
 }
 
+/// Reads in flight and the time they took: `secs` since the last reset (read GB/s), `ever`
+/// since the store opened (with `opened`, the disk's idle time).
+struct Busy {
+    secs: f64,
+    ever: f64,
+    n: usize,
+    since: Option<Instant>,
+    opened: Instant,
+}
+
+impl Busy {
+    fn new() -> Self {
+        Busy {
+            secs: 0.0,
+            ever: 0.0,
+            n: 0,
+            since: None,
+            opened: Instant::now(),
+        }
+    }
+
+    /// A read started (`start`) or ended.
+    fn change(&mut self, start: bool) {
+        if start {
+            if self.n == 0 {
+                self.since = Some(Instant::now());
+            }
+            self.n += 1;
+        } else {
+            self.n -= 1;
+            if self.n == 0 {
+                if let Some(t) = self.since.take() {
+                    let d = t.elapsed().as_secs_f64();
+                    self.secs += d;
+                    self.ever += d;
+                }
+            }
+        }
+    }
+
+    fn idle_s(&self) -> f64 {
+        let open = self.since.map_or(0.0, |t| t.elapsed().as_secs_f64());
+        (self.opened.elapsed().as_secs_f64() - self.ever - open).max(0.0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::pool_keep;
+    use super::{pool_keep, Busy};
+    use std::time::Duration;
 
     #[test]
     fn the_read_buffer_pool_is_bounded_by_bytes() {
@@ -464,5 +506,28 @@ mod tests {
         assert_eq!(pool_keep(10_616_832), 25);
         assert_eq!(pool_keep(1 << 30), 8);
         assert_eq!(pool_keep(0), 64);
+    }
+
+    /// The disk's idle clock stands still while a read is in flight, however many overlap,
+    /// and runs while none is; the busy time survives a reset of `secs`.
+    #[test]
+    fn the_idle_clock_runs_only_while_no_read_is_in_flight() {
+        let mut b = Busy::new();
+        let nap = Duration::from_millis(20);
+        b.change(true);
+        b.change(true);
+        let i0 = b.idle_s();
+        std::thread::sleep(nap);
+        b.change(false);
+        std::thread::sleep(nap);
+        let i1 = b.idle_s();
+        b.change(false);
+        assert!((i1 - i0).abs() < 1e-3, "idle {i0} -> {i1} while reading");
+        assert!(b.secs >= 0.04 && b.ever == b.secs, "{} {}", b.secs, b.ever);
+        b.secs = 0.0;
+        std::thread::sleep(nap);
+        let i2 = b.idle_s();
+        assert!(i2 - i1 >= 0.019, "idle {i1} -> {i2} with nothing in flight");
+        assert!(b.ever >= 0.04);
     }
 }

@@ -49,6 +49,11 @@ pub(super) struct Streaming {
     upload_ns: AtomicU64,
     map_ns: AtomicU64,
     pub(super) pass_ns: AtomicU64,
+    /// Nanoseconds with no disk read in flight, during the GPU waits, the fills and the passes
+    /// (`SlotStats::disk_idle_s`).
+    pub(super) idle_gpu_wait_ns: AtomicU64,
+    pub(super) idle_fill_ns: AtomicU64,
+    pub(super) idle_pass_ns: AtomicU64,
     stops: AtomicU64,
     /// Stops where every chosen expert already had a slot (`SlotStats::hit_stops`).
     hit_stops: AtomicU64,
@@ -110,6 +115,9 @@ pub struct SlotStats {
     pub map_s: f64,
     /// Forward passes in all (the rest is recording, submitting and the last wait).
     pub pass_s: f64,
+    /// How long the disk sat idle (no read in flight) during the passes, and during their GPU
+    /// waits and fills: the time the I/O bound assumes busy.
+    pub disk_idle: DiskIdle,
     /// The host writes blobs straight into the slots through a mapping (`gpu::slots`); false:
     /// through wgpu's staging memory and a GPU copy.
     pub mapped: bool,
@@ -118,6 +126,15 @@ pub struct SlotStats {
     /// The GPU is held at its full clock while the model is loaded (`ClockHold`: an NVIDIA
     /// GPU, whose driver otherwise lowers the clock while the decode waits for reads).
     pub clocks_held: bool,
+}
+
+/// Seconds with no disk read in flight (`SlotStats::disk_idle`), within the GPU waits, the
+/// fills and the passes in all.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct DiskIdle {
+    pub gpu_wait_s: f64,
+    pub fill_s: f64,
+    pub pass_s: f64,
 }
 
 pub(super) struct SlotTable {
@@ -179,6 +196,9 @@ impl Streaming {
             upload_ns: AtomicU64::new(0),
             map_ns: AtomicU64::new(0),
             pass_ns: AtomicU64::new(0),
+            idle_gpu_wait_ns: AtomicU64::new(0),
+            idle_fill_ns: AtomicU64::new(0),
+            idle_pass_ns: AtomicU64::new(0),
             stops: AtomicU64::new(0),
             hit_stops: AtomicU64::new(0),
             through_layers: AtomicU64::new(0),
@@ -525,6 +545,11 @@ impl GpuDecoder {
             upload_s: secs(&s.upload_ns),
             map_s: secs(&s.map_ns),
             pass_s: secs(&s.pass_ns),
+            disk_idle: DiskIdle {
+                gpu_wait_s: secs(&s.idle_gpu_wait_ns),
+                fill_s: secs(&s.idle_fill_ns),
+                pass_s: secs(&s.idle_pass_ns),
+            },
             mapped: s.mapped,
             landed: s.landed.load(Ordering::Relaxed),
             clocks_held: s.clocks.is_some(),
@@ -547,6 +572,9 @@ impl GpuDecoder {
                 &s.upload_ns,
                 &s.map_ns,
                 &s.pass_ns,
+                &s.idle_gpu_wait_ns,
+                &s.idle_fill_ns,
+                &s.idle_pass_ns,
                 &s.landed,
             ] {
                 a.store(0, Ordering::Relaxed);

@@ -28,7 +28,7 @@
 
 use super::oracle::Oracle;
 use super::streaming::{distinct, Streaming};
-use super::{nanos, record_head, End, GpuDecoder};
+use super::{add_idle, nanos, record_head, End, GpuDecoder};
 use crate::error::EngineError;
 use crate::gpu::{Acts, GpuKv, Head, LayerOps, Op, Readback, Recorder, AHEAD_MAX, GEMM_MIN, T_MAX};
 use crate::store::{Lookahead, Recall};
@@ -330,6 +330,7 @@ impl GpuDecoder {
                 None => (to < layers.len()).then(|| record(&mut args, to, false)),
             };
             let waiting = Instant::now();
+            let idle_waiting = self.disk_idle();
             let guessed = 4 * (st.lookahead.depth * row) as u64;
             let ran = th
                 .readback
@@ -344,6 +345,8 @@ impl GpuDecoder {
                 })?;
             st.gpu_wait_ns
                 .fetch_add(nanos(waiting.elapsed()), Ordering::Relaxed);
+            let idle_waited = self.disk_idle();
+            add_idle(&st.idle_gpu_wait_ns, idle_waiting, idle_waited);
             let ids_of = |l: usize| &ran.chosen[l * row..l * row + n * k];
             // The MoE layers whose experts ran from VRAM without the host (a resumed layer
             // was counted at its stop).
@@ -399,6 +402,7 @@ impl GpuDecoder {
             // ids when it runs, and uses the other set of launch counts).
             following = ahead;
             let filling = Instant::now();
+            let idle_filling = self.disk_idle();
             let ids = ids_of(l).to_vec();
             let used: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
             // While this layer's misses are read, a speculative pass shows what the next layers
@@ -432,6 +436,7 @@ impl GpuDecoder {
             guesses.extend(spec.into_iter().map(|(m, ids)| (m, ids, true)));
             st.fill_ns
                 .fetch_add(nanos(filling.elapsed()), Ordering::Relaxed);
+            add_idle(&st.idle_fill_ns, idle_filling, self.disk_idle());
             q.write_buffer(&self.acts.ids, 0, bytemuck::cast_slice(&slots));
             q.write_buffer(&th.status, 0, &[0; 16]);
             next = resumed;
