@@ -91,8 +91,58 @@ fn main() {
         Command::Chat(a) => cmd::chat::run(a),
     };
     if let Err(e) = result {
-        // One line: the error and its causes, joined.
-        eprintln!("error: {}", format!("{e:#}").replace('\n', " "));
+        eprintln!("error: {}", one_line(&e));
         std::process::exit(1);
+    }
+}
+
+/// The error and its causes on one line, joined by ": ", leaving out a cause whose text the
+/// line already holds (a library error that names its source, e.g. "path: No such file or
+/// directory", would otherwise repeat it).
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string().replace('\n', " ");
+        if line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::one_line;
+    use anyhow::Context;
+
+    #[test]
+    fn an_error_line_names_each_cause_once() {
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "No such file or directory");
+        /// Names its source in its own text, as the vault's errors do.
+        #[derive(Debug)]
+        struct Named {
+            source: std::io::Error,
+        }
+        impl std::fmt::Display for Named {
+            fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                write!(f, "/x/y.partial: {}", self.source)
+            }
+        }
+        impl std::error::Error for Named {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.source)
+            }
+        }
+        let e = Err::<(), _>(Named { source: io }).context("writing");
+        assert_eq!(
+            one_line(&e.unwrap_err()),
+            "writing: /x/y.partial: No such file or directory"
+        );
+        let e = Err::<(), _>(anyhow::anyhow!("a\nb")).context("c");
+        assert_eq!(one_line(&e.unwrap_err()), "c: a b");
     }
 }
