@@ -18,6 +18,11 @@ pub struct StoreArgs {
     /// Print expert-store statistics (hits, misses, bytes read, waits) after the run.
     #[arg(long)]
     pub stats: bool,
+    /// GPU streaming: memory for the VRAM expert slots (a size, a share of the experts, or
+    /// `auto`: the --expert-cache budget, fewer slots where that does not fit in GPU memory).
+    /// A host cache larger than the slots keeps experts in RAM that the GPU has no room for.
+    #[arg(long, value_name = "SIZE|PCT%|auto")]
+    pub vram_cache: Option<String>,
     /// Threads reading expert blobs in parallel (more keeps a fast NVMe busier).
     #[arg(long, default_value_t = 8, value_name = "N")]
     pub read_threads: usize,
@@ -29,6 +34,7 @@ impl Default for StoreArgs {
             expert_cache: None,
             no_profile: false,
             stats: false,
+            vram_cache: None,
             read_threads: 8,
         }
     }
@@ -43,11 +49,16 @@ impl StoreArgs {
                 .context("--expert-cache")?,
             None => default_budget(vault),
         };
+        let vram_budget = (self.vram_cache.as_deref())
+            .map(|s| s.parse::<CacheBudget>().map_err(anyhow::Error::msg))
+            .transpose()
+            .context("--vram-cache")?;
         if self.read_threads == 0 {
             anyhow::bail!("--read-threads must be at least 1");
         }
         Ok(StoreOptions {
             budget,
+            vram_budget,
             profile: !self.no_profile,
             read_threads: self.read_threads,
             ..StoreOptions::default()
@@ -89,7 +100,9 @@ impl StoreArgs {
                 0.0
             };
             eprintln!(
-                "[VRAM expert slots: {} hits, {} misses ({rate:.1}% hit rate); passes {:.3}s: GPU wait {:.3}s, filling slots {:.3}s (uploads {:.3}s, mapping {:.3}s), no disk read in flight for {:.3}s of them ({:.3}s in GPU waits, {:.3}s filling); {} router stops ({} found every expert in VRAM), {} MoE layers ran through without one; {} speculative passes started {} reads{}{}; filled {}; GPU clocks {}; the line below is the host store behind them]",
+                "[VRAM expert slots: {} per MoE layer ({:.2} GiB), {} hits, {} misses ({rate:.1}% hit rate); passes {:.3}s: GPU wait {:.3}s, filling slots {:.3}s (uploads {:.3}s, mapping {:.3}s), no disk read in flight for {:.3}s of them ({:.3}s in GPU waits, {:.3}s filling); {} router stops ({} found every expert in VRAM), {} MoE layers ran through without one; {} speculative passes started {} reads{}{}; filled {}; GPU clocks {}; the line below is the host store behind them]",
+                v.slots,
+                v.slot_bytes as f64 / (1u64 << 30) as f64,
                 v.hits,
                 v.misses,
                 v.pass_s,

@@ -24,4 +24,8 @@ pub enum EngineError {
     Text(#[from] crate::tokenizer::TextError),
     #[error("backend: {0}")]
     Backend(String),
+    /// Streaming on the GPU: the VRAM expert slots did not fit (`slots` per MoE layer, `bytes`
+    /// in all); the decoder's load tries fewer where the VRAM budget was not given.
+    #[error("GPU: out of memory for {slots} expert slots per MoE layer ({bytes} bytes in all; give a smaller --vram-cache)")]
+    SlotsOutOfMemory { slots: usize, bytes: u64 },
 }

@@ -23,6 +23,8 @@ fn open(path: &Path, budget: CacheBudget, profile: bool) -> Engine {
 
 fn open_with(path: &Path, budget: CacheBudget, profile: bool, read_piece: usize) -> Engine {
     let store = StoreOptions {
+        vram_budget: None,
+        vram_limit: None,
         budget,
         profile,
         read_threads: 4,
@@ -234,6 +236,8 @@ fn slow_logged_store(v: &TempVault, ms: u64) -> (smoe_engine::store::Experts, Re
         None
     });
     let opts = StoreOptions {
+        vram_budget: None,
+        vram_limit: None,
         budget: CacheBudget::Fraction(1.0),
         profile: false,
         read_threads: 1,
@@ -377,6 +381,8 @@ fn open_with_fault(
     fault: smoe_engine::store::FaultHook,
 ) -> Engine {
     let store = StoreOptions {
+        vram_budget: None,
+        vram_limit: None,
         budget,
         profile: false,
         read_threads: 2,
@@ -398,6 +404,8 @@ fn open_with_fault(
 /// its vault and blob stride.
 fn store_of_pieces(v: &TempVault) -> (smoe_vault::Vault, smoe_engine::store::Experts, usize) {
     let opts = StoreOptions {
+        vram_budget: None,
+        vram_limit: None,
         budget: CacheBudget::Fraction(1.0),
         profile: false,
         read_threads: 3,

@@ -43,6 +43,7 @@ fn open_traced(
             route_trace,
             lookahead_depth: None,
             lookahead_top: None,
+            ..Default::default()
         },
         path,
     )
@@ -367,6 +368,7 @@ fn gpu_streaming_faults_fail_the_request_and_nothing_stays_cached() {
         route_trace: None,
         lookahead_depth: None,
         lookahead_top: None,
+        ..Default::default()
     };
     let opts = EngineOptions {
         backend: Backend::Gpu,
@@ -434,6 +436,7 @@ fn a_saved_profile_preloads_the_vram_slots() {
             route_trace: None,
             lookahead_depth: None,
             lookahead_top: None,
+            ..Default::default()
         };
         let opts = EngineOptions {
             backend: Backend::Gpu,
@@ -479,4 +482,123 @@ fn a_saved_profile_preloads_the_vram_slots() {
         .zip(&want)
         .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
     assert!(worst <= 1e-4, "after preloading: max |Δ log-prob| {worst}");
+}
+
+/// `--vram-cache` apart from `--expert-cache`: a host cache of every expert behind VRAM slots
+/// for a quarter of them (filled through wgpu's staging memory, as on a discrete GPU, so that
+/// the host keeps a cache of its own even on lavapipe's unified memory) gives the resident
+/// run's tokens, reads no expert from the disk twice, and serves the slots' later misses from
+/// host memory.
+#[test]
+fn a_host_cache_larger_than_the_vram_slots() {
+    if !have_gpu() {
+        return;
+    }
+    let v = TempVault::new("tiny-qwen2moe", DType::Q4);
+    let prompt: Vec<u32> = (3..50).collect();
+    let want = greedy(&open(&v.0, CacheBudget::Resident), &prompt, 24);
+    let e = open_store(
+        StoreOptions {
+            budget: CacheBudget::Fraction(1.0),
+            vram_budget: Some(CacheBudget::Fraction(0.25)),
+            profile: false,
+            mapped_slots: false,
+            ..Default::default()
+        },
+        &v.0,
+    );
+    let Model::Gpu(g) = &e.model else {
+        unreachable!()
+    };
+    let cfg = &e.vault.header.config;
+    let sec = e.vault.expert_section().unwrap();
+    let (n, k, moe) = (
+        cfg.num_experts,
+        cfg.num_experts_per_tok,
+        cfg.moe_layers().count(),
+    );
+    let st = g.slot_stats().expect("streaming");
+    assert_eq!(st.slots, (n / 4).max(k), "a quarter of {n} experts");
+    assert_eq!(st.slot_bytes, (st.slots * moe) as u64 * sec.blob_stride);
+    assert!(st.slots < n, "the slots must hold fewer than every expert");
+    assert_eq!(greedy(&e, &prompt, 24), want);
+    let slots = g.slot_stats().unwrap();
+    let host = e.model.experts().stats().expect("a host cache");
+    let blobs = sec.blobs.len() as u64;
+    assert!(
+        host.total.bytes_read <= blobs * sec.blob_stride,
+        "the host cache holds every expert: none is read twice ({} bytes of {blobs} blobs)",
+        host.total.bytes_read
+    );
+    assert!(
+        host.total.hits > 0 && slots.misses > host.total.misses,
+        "VRAM misses served from host memory: {} slot misses, host {} hits / {} misses",
+        slots.misses,
+        host.total.hits,
+        host.total.misses
+    );
+}
+
+/// VRAM expert slots that do not fit in GPU memory (a test hook stands in for the device's
+/// limit): without `--vram-cache` the load tries half as many until they fit, and the tokens
+/// are the resident run's; with it, the load fails and says to give a smaller one; and a VRAM
+/// budget without a host budget to stream from is refused.
+#[test]
+fn slots_that_do_not_fit_are_halved_unless_the_vram_budget_was_given() {
+    if !have_gpu() {
+        return;
+    }
+    let v = TempVault::new("tiny-qwen2moe", DType::Q4);
+    let prompt: Vec<u32> = (3..50).collect();
+    let want = greedy(&open(&v.0, CacheBudget::Resident), &prompt, 16);
+    let vault = smoe_vault::Vault::open(&v.0).unwrap();
+    let cfg = &vault.header.config;
+    let sec = vault.expert_section().unwrap();
+    let per_slot = sec.blob_stride * cfg.moe_layers().count() as u64;
+    let (n, k) = (cfg.num_experts, cfg.num_experts_per_tok);
+    // Room for 40 % of the experts' slots: every expert does not fit, half does not, a
+    // quarter does.
+    let limit = (n as u64 * per_slot) * 2 / 5;
+    let mut fits = n;
+    while fits as u64 * per_slot > limit {
+        fits = (fits / 2).max(k);
+    }
+    assert!(fits < n / 2, "the test needs two retries: {fits} of {n}");
+    let store = |vram_budget| StoreOptions {
+        budget: CacheBudget::Fraction(1.0),
+        vram_budget,
+        vram_limit: Some(limit),
+        profile: false,
+        mapped_slots: false,
+        ..Default::default()
+    };
+    let e = open_store(store(None), &v.0);
+    let Model::Gpu(g) = &e.model else {
+        unreachable!()
+    };
+    assert_eq!(g.slot_stats().unwrap().slots, fits);
+    assert_eq!(greedy(&e, &prompt, 16), want);
+    drop(e);
+    let opts = |store| EngineOptions {
+        backend: Backend::Gpu,
+        prefill_chunk: 64,
+        store,
+        ..Default::default()
+    };
+    let err = Engine::open(&v.0, opts(store(Some(CacheBudget::Fraction(1.0)))))
+        .err()
+        .expect("the slots of every expert exceed the limit");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("out of memory") && msg.contains("--vram-cache"),
+        "{msg}"
+    );
+    let no_host = StoreOptions {
+        budget: CacheBudget::Resident,
+        ..store(Some(CacheBudget::Fraction(0.25)))
+    };
+    let err = Engine::open(&v.0, opts(no_host))
+        .err()
+        .expect("a VRAM budget with no host budget");
+    assert!(err.to_string().contains("--expert-cache"), "{err}");
 }

@@ -130,15 +130,42 @@ impl GpuContext {
         {
             return None;
         }
+        self.checked_buffer(
+            label,
+            bytes,
+            wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_SRC
+                | wgpu::BufferUsages::COPY_DST
+                | wgpu::BufferUsages::MAP_WRITE,
+        )
+    }
+
+    /// As `storage_buffer`, but `None` where the device is out of memory or refuses the size,
+    /// instead of an error that surfaces later (wgpu's default: a panic at the first use).
+    pub fn try_storage_buffer(&self, label: &str, bytes: u64) -> Option<wgpu::Buffer> {
+        self.checked_buffer(
+            label,
+            bytes,
+            wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_SRC
+                | wgpu::BufferUsages::COPY_DST,
+        )
+    }
+
+    /// A buffer of `usage`, or `None` (and nothing allocated) where creating it raised an
+    /// out-of-memory or validation error.
+    fn checked_buffer(
+        &self,
+        label: &str,
+        bytes: u64,
+        usage: wgpu::BufferUsages,
+    ) -> Option<wgpu::Buffer> {
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let valid = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let buf = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some(label),
             size: bytes.max(16).next_multiple_of(16),
-            usage: wgpu::BufferUsages::STORAGE
-                | wgpu::BufferUsages::COPY_SRC
-                | wgpu::BufferUsages::COPY_DST
-                | wgpu::BufferUsages::MAP_WRITE,
+            usage,
             mapped_at_creation: false,
         });
         let invalid = pollster::block_on(valid.pop());

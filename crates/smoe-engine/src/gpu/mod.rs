@@ -29,7 +29,7 @@ pub(crate) use kv::{AttnCtx, KvPool};
 pub(crate) use layer::{LayerOps, Op, GEMM_MIN};
 pub(crate) use record::Recorder;
 pub(crate) use slots::SlotWriter;
-pub(crate) use weights::{FfnW, Packed, Weights};
+pub(crate) use weights::{FfnW, Packed, SlotPlan, Weights};
 
 use crate::error::EngineError;
 use smoe_compute::gpu::GpuContext;

@@ -121,6 +121,16 @@ pub(crate) struct Weights {
     pub inv_freq: wgpu::Buffer,
 }
 
+/// Streaming: the VRAM expert slots each MoE layer gets (`Weights::upload`).
+#[derive(Clone, Copy, Debug)]
+pub struct SlotPlan {
+    pub slots: usize,
+    /// Mappable by the host where the device allows (`StoreOptions::mapped_slots`).
+    pub mapped: bool,
+    /// A test hook (`StoreOptions::vram_limit`).
+    pub vram_limit: Option<u64>,
+}
+
 struct Loader<'a> {
     ctx: &'a GpuContext,
     vault: &'a Vault,
@@ -128,6 +138,11 @@ struct Loader<'a> {
     slots: Option<usize>,
     /// Streaming: make the slots mappable where the device allows (`StoreOptions::mapped_slots`).
     mapped_slots: bool,
+    /// Streaming, a test hook (`StoreOptions::vram_limit`): slot bytes beyond it fail as if
+    /// the GPU were out of memory.
+    vram_limit: Option<u64>,
+    /// Streaming: slot bytes placed so far.
+    slot_bytes: std::cell::Cell<u64>,
 }
 
 impl Loader<'_> {
@@ -238,10 +253,28 @@ impl Loader<'_> {
             .then(|| self.ctx.mappable_storage_buffer(&label, bytes))
             .flatten();
         let mappable = mapped.is_some();
-        let buf = match mapped {
-            Some(buf) => buf,
-            None => self.buffer(&label, bytes)?,
-        };
+        let buf =
+            match (mapped, self.slots) {
+                (Some(buf), _) => buf,
+                (None, None) => self.buffer(&label, bytes)?,
+                // Streaming slots that do not fit are an error the load can answer with fewer.
+                (None, Some(_)) => self.ctx.try_storage_buffer(&label, bytes).ok_or(
+                    EngineError::SlotsOutOfMemory {
+                        slots,
+                        bytes: self.slot_bytes.get() + bytes,
+                    },
+                )?,
+            };
+        if self.slots.is_some() {
+            let placed = self.slot_bytes.get() + bytes;
+            self.slot_bytes.set(placed);
+            if self.vram_limit.is_some_and(|limit| placed > limit) {
+                return Err(EngineError::SlotsOutOfMemory {
+                    slots,
+                    bytes: placed,
+                });
+            }
+        }
         for e in (0..n).filter(|_| self.slots.is_none()) {
             let blob = self.vault.expert_entry(l, e)?;
             let bytes = self.vault.expert_bytes_mapped(blob);
@@ -329,20 +362,23 @@ impl Weights {
         }
     }
 
-    /// `expert_slots`: `None` uploads every expert; `Some((s, mapped))` gives each MoE layer `s`
-    /// empty expert slots (streaming), mappable by the host where `mapped` and the device allow.
+    /// `expert_slots`: `None` uploads every expert; `Some(s)` gives each MoE layer `s.slots`
+    /// empty expert slots (streaming). Slots that do not fit fail the upload with
+    /// `EngineError::SlotsOutOfMemory`.
     pub fn upload(
         ctx: &GpuContext,
         vault: &Vault,
         rope: &RopeTable,
-        expert_slots: Option<(usize, bool)>,
+        expert_slots: Option<SlotPlan>,
     ) -> Result<Self, EngineError> {
         let cfg = &vault.header.config;
         let ld = Loader {
             ctx,
             vault,
-            slots: expert_slots.map(|s| s.0),
-            mapped_slots: expert_slots.is_some_and(|s| s.1),
+            slots: expert_slots.map(|s| s.slots),
+            mapped_slots: expert_slots.is_some_and(|s| s.mapped),
+            vram_limit: expert_slots.and_then(|s| s.vram_limit),
+            slot_bytes: std::cell::Cell::new(0),
         };
         let mut layers = vec![];
         for l in 0..cfg.num_layers {

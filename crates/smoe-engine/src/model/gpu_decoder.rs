@@ -21,8 +21,8 @@
 use super::{mat, Logits};
 use crate::error::EngineError;
 use crate::gpu::{
-    self, Acts, FfnW, GpuKv, Head, KvPool, LayerOps, Readback, Recorder, Weights, GEMM_MIN,
-    LOGIT_ROWS, T_MAX,
+    self, Acts, FfnW, GpuKv, Head, KvPool, LayerOps, Readback, Recorder, SlotPlan, Weights,
+    GEMM_MIN, LOGIT_ROWS, T_MAX,
 };
 use crate::kv_cache::KvCache;
 use crate::rope::RopeTable;
@@ -176,12 +176,32 @@ impl GpuDecoder {
         let cfg = vault.header.config.clone();
         // Out-of-memory while uploading becomes an error (a fallback under --backend auto)
         // rather than wgpu's default panic.
-        let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
-        let built = Self::build(&ctx, vault, cfg, store);
-        if let Some(e) = pollster::block_on(scope.pop()) {
-            return Err(EngineError::Backend(format!("GPU: {e}")));
-        }
-        let m = built?;
+        // Streaming expert slots that do not fit are retried with half as many, down to top-k,
+        // unless the VRAM budget was given (then the error says to give a smaller one).
+        let retry = matches!(store.vram_budget, None | Some(CacheBudget::Auto));
+        let mut cap = None;
+        let m = loop {
+            let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+            let built = Self::build(&ctx, vault, cfg.clone(), store, cap);
+            if let Some(e) = pollster::block_on(scope.pop()) {
+                return Err(EngineError::Backend(format!("GPU: {e}")));
+            }
+            match built {
+                Err(EngineError::SlotsOutOfMemory { slots, bytes })
+                    if retry && slots > cfg.num_experts_per_tok.max(1) =>
+                {
+                    let fewer = (slots / 2).max(cfg.num_experts_per_tok.max(1));
+                    tracing::warn!(
+                        "GPU backend: {slots} expert slots per MoE layer ({:.1} GiB) do not fit in GPU memory; trying {fewer} (--vram-cache sets the budget)",
+                        bytes as f64 / (1u64 << 30) as f64
+                    );
+                    // Let wgpu free what the failed attempt allocated before the next one.
+                    let _ = ctx.device.poll(wgpu::PollType::wait_indefinitely());
+                    cap = Some(fewer);
+                }
+                built => break built?,
+            }
+        };
         // Build one tiny KV cache now, so that shapes the attention kernels refuse fail the load
         // (and `auto` falls back) instead of the first request.
         m.kv(1)?;
@@ -206,11 +226,14 @@ impl GpuDecoder {
         Ok(m)
     }
 
+    /// `slot_cap`: at most this many expert slots per MoE layer when streaming (a retry after
+    /// the budget's did not fit).
     fn build(
         ctx: &Arc<GpuContext>,
         vault: &Vault,
         cfg: ModelConfig,
         store: &StoreOptions,
+        slot_cap: Option<usize>,
     ) -> Result<Self, EngineError> {
         static IDS: AtomicU64 = AtomicU64::new(1);
         let rope = RopeTable::new(&cfg.rope, cfg.head_dim);
@@ -227,6 +250,16 @@ impl GpuDecoder {
             .contains(wgpu::Features::MAPPABLE_PRIMARY_BUFFERS);
         let lands = unified && mappable && store.mapped_slots;
         let budget = store.budget.bytes(vault);
+        // The VRAM slots' budget: `--vram-cache`, else the host's (`--expert-cache`).
+        let vram_budget = match store.vram_budget {
+            None | Some(CacheBudget::Auto) => budget,
+            Some(v) if budget.is_some() => v.bytes(vault).or(Some(u64::MAX)),
+            Some(_) => {
+                return Err(EngineError::Invalid(
+                    "--vram-cache streams experts from the host's expert cache: give --expert-cache too (a size, a share or auto)".into(),
+                ))
+            }
+        };
         let mut experts = match budget {
             None => {
                 let no_profile = StoreOptions {
@@ -244,11 +277,12 @@ impl GpuDecoder {
             )?,
         };
         let k = cfg.num_experts_per_tok.max(1);
-        let mut streaming = match (budget, vault.expert_section()) {
+        let mut streaming = match (vram_budget, vault.expert_section()) {
             (Some(budget), Some(sec)) if experts.is_streaming() => {
                 let moe = cfg.moe_layers().count().max(1) as u64;
                 let by_budget = budget / (sec.blob_stride * moe).max(1);
                 let slots = (by_budget.min(cfg.num_experts as u64) as usize)
+                    .min(slot_cap.unwrap_or(usize::MAX))
                     .max(k)
                     .min(cfg.num_experts);
                 let fit = (slots / k).clamp(1, T_MAX);
@@ -285,7 +319,11 @@ impl GpuDecoder {
             ctx,
             vault,
             &rope,
-            streaming.as_ref().map(|s| (s.slots, store.mapped_slots)),
+            streaming.as_ref().map(|s| SlotPlan {
+                slots: s.slots,
+                mapped: store.mapped_slots,
+                vram_limit: store.vram_limit,
+            }),
         )?;
         if let Some(st) = &mut streaming {
             let mapped =

@@ -48,6 +48,9 @@ pub enum Model {
 
 impl Model {
     pub fn load(vault: &Vault, store: &crate::store::StoreOptions) -> Result<Self, EngineError> {
+        if store.vram_budget.is_some() {
+            tracing::warn!("--vram-cache applies to the GPU backend; the CPU reads its experts from the host cache (--expert-cache)");
+        }
         use Architecture::*;
         match vault.header.config.architecture {
             Qwen3Moe | Qwen2Moe | Mixtral | Olmoe => {

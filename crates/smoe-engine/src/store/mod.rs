@@ -121,7 +121,15 @@ pub const DEFAULT_READ_PIECE: usize = 256 << 10;
 /// Options of the expert store.
 #[derive(Clone)]
 pub struct StoreOptions {
+    /// The host's expert cache (on the GPU also the VRAM slots', unless `vram_budget` says).
     pub budget: CacheBudget,
+    /// GPU streaming: the VRAM expert slots' budget (`--vram-cache`). None or `Auto`: the
+    /// host's, with half as many slots per try where that does not fit in GPU memory;
+    /// `Resident`: every expert.
+    pub vram_budget: Option<CacheBudget>,
+    /// A test hook: GPU streaming slots beyond this many bytes in all fail as if the GPU were
+    /// out of memory.
+    pub vram_limit: Option<u64>,
     /// Read and update `M.smoe.profile`, and preload from it.
     pub profile: bool,
     pub read_threads: usize,
@@ -224,6 +232,8 @@ impl std::fmt::Debug for StoreOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StoreOptions")
             .field("budget", &self.budget)
+            .field("vram_budget", &self.vram_budget)
+            .field("vram_limit", &self.vram_limit)
             .field("profile", &self.profile)
             .field("read_threads", &self.read_threads)
             .field("read_piece", &self.read_piece)
@@ -240,6 +250,8 @@ impl Default for StoreOptions {
     fn default() -> Self {
         StoreOptions {
             budget: CacheBudget::Resident,
+            vram_budget: None,
+            vram_limit: None,
             profile: true,
             read_threads: 8,
             read_piece: DEFAULT_READ_PIECE,

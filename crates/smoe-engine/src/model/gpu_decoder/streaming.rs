@@ -79,6 +79,9 @@ pub(super) struct Streaming {
 /// (distinct experts per layer and batch), and where the host's time went at the router stops.
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
 pub struct SlotStats {
+    /// VRAM expert slots per MoE layer, and their bytes in all (`--vram-cache`).
+    pub slots: usize,
+    pub slot_bytes: u64,
     pub hits: u64,
     pub misses: u64,
     /// Router stops (one submission and wait per MoE layer and batch).
@@ -528,7 +531,13 @@ impl GpuDecoder {
     /// load or the last `reset_slot_stats`.
     pub fn slot_stats(&self) -> Option<SlotStats> {
         let secs = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64 * 1e-9;
+        let slot_bytes = (self.cfg.moe_layers())
+            .filter_map(|l| self.weights.expert_slots(l))
+            .map(|x| x.slots as u64 * x.stride)
+            .sum();
         self.streaming.as_ref().map(|s| SlotStats {
+            slots: s.slots,
+            slot_bytes,
             hits: s.hits.load(Ordering::Relaxed),
             misses: s.misses.load(Ordering::Relaxed),
             stops: s.stops.load(Ordering::Relaxed),
