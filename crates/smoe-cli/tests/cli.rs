@@ -506,6 +506,20 @@ fn synth_bench_and_profile() {
         ]),
         "--expert-cache",
     );
+    assert_one_line_error(
+        &smoe(&[
+            "generate",
+            "-m",
+            vs,
+            "--prompt-ids",
+            "1",
+            "--expert-cache",
+            "25%",
+            "--vram-cache",
+            "150%",
+        ]),
+        "--vram-cache",
+    );
 }
 
 /// The CPU decoder scores its lookahead (the next MoE layer's router on this layer's input)

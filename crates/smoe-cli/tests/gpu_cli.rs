@@ -335,6 +335,48 @@ fn bench_decode_streaming_reports_the_router_stops() {
     assert_eq!(f("landed") > 0.0, mappable && unified, "{v}");
 }
 
+/// `--vram-cache` apart from `--expert-cache`: the VRAM slots take its share of the demo
+/// model's 16 experts per MoE layer (4 of them at 25 %), and the host keeps what the slots have
+/// no room for, so some of the slots' misses are host-cache hits rather than disk reads.
+#[test]
+fn bench_decode_with_a_vram_cache_below_the_expert_cache() {
+    if !have_gpu() {
+        return;
+    }
+    let v = bench_decode_gpu(&[
+        "--pp",
+        "0",
+        "--expert-cache",
+        "100%",
+        "--vram-cache",
+        "25%",
+        "--no-profile",
+    ]);
+    let s = &v["vram_slots"];
+    assert_eq!(s["slots"].as_u64(), Some(4), "{v}");
+    // 6 MoE layers of 4 slots of one 16 KiB-aligned blob stride each.
+    let bytes = s["slot_bytes"].as_u64().unwrap_or(0);
+    assert!(bytes > 0 && bytes % (6 * 4 * 16384) == 0, "{v}");
+    assert!(s["misses"].as_u64().unwrap_or(0) > 0, "{v}");
+    assert!(v["hit_rate"].as_f64().unwrap_or(0.0) > 0.0, "{v}");
+    // Without a host budget to stream from, a VRAM budget is refused, saying what to add.
+    let out = smoe(&[
+        "bench",
+        "decode",
+        "--backend",
+        "gpu",
+        "--tg",
+        "2",
+        "--vram-cache",
+        "25%",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--expert-cache"),
+        "{err}"
+    );
+}
+
 /// A GPU run with `--expert-cache` saves the usage profile beside the vault, and the next start
 /// preloads from it (into the VRAM slots too) and says so.
 #[test]

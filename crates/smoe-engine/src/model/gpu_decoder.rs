@@ -239,7 +239,8 @@ impl GpuDecoder {
         let rope = RopeTable::new(&cfg.rope, cfg.head_dim);
         // On unified memory a host cache beside mapped slots would hold the same experts in
         // the same RAM twice: there disk reads land in the slots themselves (`SlotWriter::
-        // target`), the slots take the whole budget, and the store keeps no cache of its own.
+        // target`), the slots take the whole budget, and the store keeps no cache of its own
+        // (only what a smaller --vram-cache leaves of --expert-cache).
         let unified = matches!(
             ctx.info().adapter.device_type,
             wgpu::DeviceType::IntegratedGpu | wgpu::DeviceType::Cpu
@@ -271,7 +272,12 @@ impl GpuDecoder {
             Some(b) => Experts::open(
                 vault,
                 &StoreOptions {
-                    budget: CacheBudget::Bytes(if lands { 0 } else { b }),
+                    // (Unified memory: what the slots leave of the budget, none unless
+                    // --vram-cache took less than --expert-cache.)
+                    budget: CacheBudget::Bytes(match lands {
+                        true => b.saturating_sub(vram_budget.unwrap_or(b)),
+                        false => b,
+                    }),
                     ..store.clone()
                 },
             )?,
