@@ -602,3 +602,22 @@ fn slots_that_do_not_fit_are_halved_unless_the_vram_budget_was_given() {
         .expect("a VRAM budget with no host budget");
     assert!(err.to_string().contains("--expert-cache"), "{err}");
 }
+
+/// The GPU's free memory, which `auto` VRAM slots stay within: known through the CUDA driver on
+/// an NVIDIA GPU (on the device machine), and said to be unknown elsewhere (lavapipe in CI).
+#[test]
+fn the_free_gpu_memory_is_known_on_nvidia_only() {
+    if !have_gpu() {
+        return;
+    }
+    let ctx = smoe_engine::gpu::context().unwrap();
+    let adapter = &ctx.info().adapter;
+    let nvidia = adapter.vendor == 0x10de && smoe_compute::gpu::ClockHold::driver_loads().is_ok();
+    match smoe_compute::gpu::nvidia_memory(adapter) {
+        Ok((free, total)) => {
+            assert!(nvidia, "{adapter:?}");
+            assert!(free > 0 && free <= total, "{free} of {total}");
+        }
+        Err(why) => assert!(!nvidia, "{adapter:?}: {why}"),
+    }
+}

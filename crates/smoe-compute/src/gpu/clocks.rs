@@ -25,6 +25,9 @@ struct Cuda {
     device_get_attribute: unsafe extern "C" fn(*mut c_int, c_int, c_int) -> c_int,
     primary_ctx_retain: unsafe extern "C" fn(*mut *mut c_void, c_int) -> c_int,
     primary_ctx_release: unsafe extern "C" fn(c_int) -> c_int,
+    ctx_push_current: unsafe extern "C" fn(*mut c_void) -> c_int,
+    ctx_pop_current: unsafe extern "C" fn(*mut *mut c_void) -> c_int,
+    mem_get_info: unsafe extern "C" fn(*mut usize, *mut usize) -> c_int,
 }
 
 const ATTR_PCI_BUS_ID: c_int = 33;
@@ -65,6 +68,9 @@ impl Cuda {
                     &lib,
                     &["cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRelease"],
                 )?,
+                ctx_push_current: *sym(&lib, &["cuCtxPushCurrent_v2", "cuCtxPushCurrent"])?,
+                ctx_pop_current: *sym(&lib, &["cuCtxPopCurrent_v2", "cuCtxPopCurrent"])?,
+                mem_get_info: *sym(&lib, &["cuMemGetInfo_v2", "cuMemGetInfo"])?,
                 _lib: lib,
             };
             Ok(cuda)
@@ -140,6 +146,42 @@ pub fn parse_pci_bus_id(id: &str) -> Option<(u32, u32, u32)> {
     Some((hex(domain)?, hex(bus)?, hex(device)?))
 }
 
+/// Free and total memory of the NVIDIA GPU behind `adapter`, in bytes, as its CUDA driver
+/// counts them (every process's allocations included): wgpu has no such query, and NVIDIA's
+/// Vulkan driver does not fail an allocation beyond the free VRAM but places it in host memory,
+/// where the kernels read it over PCIe. `Err` says why it is unknown (not an NVIDIA GPU, no
+/// driver library, no matching device). Retains the device's primary context for the query (a
+/// streaming decoder's `ClockHold` keeps it anyway).
+pub fn nvidia_memory(adapter: &wgpu::AdapterInfo) -> Result<(u64, u64), String> {
+    if adapter.vendor != NVIDIA {
+        return Err(format!("{} is not an NVIDIA GPU", adapter.name));
+    }
+    let at = parse_pci_bus_id(&adapter.device_pci_bus_id)
+        .ok_or_else(|| format!("no PCI address ('{}')", adapter.device_pci_bus_id))?;
+    let cuda = Cuda::get()?;
+    let dev = cuda.device_at(at)?;
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: as in `ClockHold::acquire`; the context is made current on this thread only for
+    // the query, and popped (then released) before returning, whatever the query gave.
+    unsafe {
+        check(
+            (cuda.primary_ctx_retain)(&mut ctx, dev),
+            "cuDevicePrimaryCtxRetain",
+        )?;
+        let pushed = check((cuda.ctx_push_current)(ctx), "cuCtxPushCurrent");
+        let (mut free, mut total) = (0usize, 0usize);
+        let got = pushed
+            .clone()
+            .and_then(|_| check((cuda.mem_get_info)(&mut free, &mut total), "cuMemGetInfo"));
+        if pushed.is_ok() {
+            let mut popped = std::ptr::null_mut();
+            let _ = (cuda.ctx_pop_current)(&mut popped);
+        }
+        let _ = (cuda.primary_ctx_release)(dev);
+        got.map(|_| (free as u64, total as u64))
+    }
+}
+
 /// While alive, the CUDA primary context of the adapter's device is retained, so the driver
 /// keeps the GPU at its full clock (see the module's comment). Released on drop.
 pub struct ClockHold {
@@ -212,6 +254,15 @@ mod tests {
         assert_eq!(parse_pci_bus_id(""), None);
         assert_eq!(parse_pci_bus_id("0000:zz:00.0"), None);
         assert_eq!(parse_pci_bus_id("0000:18"), None);
+    }
+
+    #[test]
+    fn other_vendors_report_no_memory() {
+        let mut info = wgpu::AdapterInfo::new(wgpu::DeviceType::Cpu, wgpu::Backend::Vulkan);
+        info.name = "llvmpipe".into();
+        info.vendor = 0x10005;
+        let why = nvidia_memory(&info).err().expect("not NVIDIA");
+        assert!(why.contains("not an NVIDIA GPU"), "{why}");
     }
 
     #[test]

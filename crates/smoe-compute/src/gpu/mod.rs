@@ -33,7 +33,7 @@ mod timestamps;
 pub use attention::{AttnDesc, DecodeAttention, FusedRope, QkNormRope, QkNormRopeDesc};
 pub use attn_prefill::{PrefillAttention, PrefillAttnTuning, PREFILL_MAX_HEAD_DIM};
 pub use buffers::{BufRef, StepParams};
-pub use clocks::ClockHold;
+pub use clocks::{nvidia_memory, ClockHold};
 pub use context::{ExecBarriers, GpuContext, GpuError, GpuInfo, MatrixUnits};
 pub use embed::EmbedGather;
 pub use expert_sort::{ExpertSort, SORT_MAX_EXPERTS, SORT_MAX_SLOTS};
