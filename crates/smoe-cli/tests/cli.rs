@@ -494,32 +494,16 @@ fn synth_bench_and_profile() {
         &smoe(&["synth", "--preset", "nope", "-o", vs]),
         "unknown preset",
     );
-    assert_one_line_error(
-        &smoe(&[
-            "generate",
-            "-m",
-            vs,
-            "--prompt-ids",
-            "1",
-            "--expert-cache",
-            "lots",
-        ]),
-        "--expert-cache",
-    );
-    assert_one_line_error(
-        &smoe(&[
-            "generate",
-            "-m",
-            vs,
-            "--prompt-ids",
-            "1",
-            "--expert-cache",
-            "25%",
+    let generate = ["generate", "-m", vs, "--prompt-ids", "1"];
+    for (bad, flag) in [
+        (&["--expert-cache", "lots"][..], "--expert-cache"),
+        (
+            &["--expert-cache", "25%", "--vram-cache", "150%"][..],
             "--vram-cache",
-            "150%",
-        ]),
-        "--vram-cache",
-    );
+        ),
+    ] {
+        assert_one_line_error(&smoe(&[&generate[..], bad].concat()), flag);
+    }
 }
 
 /// The CPU decoder scores its lookahead (the next MoE layer's router on this layer's input)

@@ -356,7 +356,7 @@ fn bench_decode_with_a_vram_cache_below_the_expert_cache() {
     assert_eq!(s["slots"].as_u64(), Some(4), "{v}");
     // 6 MoE layers of 4 slots of one 16 KiB-aligned blob stride each.
     let bytes = s["slot_bytes"].as_u64().unwrap_or(0);
-    assert!(bytes > 0 && bytes % (6 * 4 * 16384) == 0, "{v}");
+    assert!(bytes > 0 && bytes.is_multiple_of(6 * 4 * 16384), "{v}");
     assert!(s["misses"].as_u64().unwrap_or(0) > 0, "{v}");
     assert!(v["hit_rate"].as_f64().unwrap_or(0.0) > 0.0, "{v}");
     // Without a host budget to stream from, a VRAM budget is refused, saying what to add.

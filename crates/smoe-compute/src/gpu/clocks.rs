@@ -261,7 +261,7 @@ mod tests {
         let mut info = wgpu::AdapterInfo::new(wgpu::DeviceType::Cpu, wgpu::Backend::Vulkan);
         info.name = "llvmpipe".into();
         info.vendor = 0x10005;
-        let why = nvidia_memory(&info).err().expect("not NVIDIA");
+        let why = nvidia_memory(&info).expect_err("not NVIDIA");
         assert!(why.contains("not an NVIDIA GPU"), "{why}");
     }
 
