@@ -621,3 +621,43 @@ fn the_free_gpu_memory_is_known_on_nvidia_only() {
         Err(why) => assert!(!nvidia, "{adapter:?}: {why}"),
     }
 }
+
+/// A resident model whose experts do not fit in the GPU's free memory (the test hook stands in
+/// for NVIDIA's count, which elsewhere is unknown) is streamed instead: a host cache behind as
+/// many VRAM slots as fit, and the resident run's tokens.
+#[test]
+fn resident_experts_beyond_the_free_vram_are_streamed() {
+    if !have_gpu() {
+        return;
+    }
+    let v = TempVault::new("tiny-qwen2moe", DType::Q4);
+    let prompt: Vec<u32> = (3..50).collect();
+    let resident = open(&v.0, CacheBudget::Resident);
+    assert!(!resident.model.experts().is_streaming());
+    let want = greedy(&resident, &prompt, 16);
+    drop(resident);
+    let vault = smoe_vault::Vault::open(&v.0).unwrap();
+    let sec = vault.expert_section().unwrap();
+    let limit = sec.blob_stride * sec.blobs.len() as u64 * 2 / 5;
+    let e = open_store(
+        StoreOptions {
+            budget: CacheBudget::Resident,
+            vram_limit: Some(limit),
+            profile: false,
+            mapped_slots: false,
+            ..Default::default()
+        },
+        &v.0,
+    );
+    assert!(e.model.experts().is_streaming(), "switched to streaming");
+    let Model::Gpu(g) = &e.model else {
+        unreachable!()
+    };
+    let st = g.slot_stats().expect("streaming");
+    assert!(
+        st.slot_bytes <= limit,
+        "{} slot bytes, limit {limit}",
+        st.slot_bytes
+    );
+    assert_eq!(greedy(&e, &prompt, 16), want);
+}

@@ -170,6 +170,19 @@ fn vram_room(ctx: &GpuContext, vault: &Vault) -> Option<u64> {
     Some(free.saturating_sub(dense + (2 << 30)))
 }
 
+/// Resident experts: the VRAM they may take (`vram_room`, or the test hook
+/// `StoreOptions::vram_limit`, whichever is smaller) and the bytes they need; `None` where the
+/// room is unknown or the model has no experts.
+fn resident_room(ctx: &GpuContext, vault: &Vault, store: &StoreOptions) -> Option<(u64, u64)> {
+    let sec = vault.expert_section()?;
+    let experts = sec.blob_stride * sec.blobs.len() as u64;
+    let room = match (vram_room(ctx, vault), store.vram_limit) {
+        (Some(a), Some(b)) => a.min(b),
+        (a, b) => a.or(b)?,
+    };
+    Some((room, experts))
+}
+
 /// Records the head a pass of this `end` needs (`last`: its last piece): all logits, the last
 /// row's, or its argmax.
 fn record_head(head: &Head, r: &mut Recorder, end: End, last: bool) {
@@ -187,6 +200,25 @@ impl GpuDecoder {
         let cfg = vault.header.config.clone();
         // Out-of-memory while uploading becomes an error (a fallback under --backend auto)
         // rather than wgpu's default panic.
+        // Resident experts go to VRAM whole. Where they do not fit in the GPU's free memory
+        // (NVIDIA's driver would place the rest in host memory, read over PCIe), stream them
+        // instead: a host cache of what the RAM holds behind as many VRAM slots as fit.
+        let streamed;
+        let store = match (store.budget, resident_room(&ctx, vault, store)) {
+            (CacheBudget::Resident, Some((room, experts))) if experts > room => {
+                tracing::warn!(
+                    "GPU backend: the experts ({:.1} GiB) do not fit in the GPU's free memory ({:.1} GiB after the dense weights and 2 GiB): streaming them (--expert-cache auto)",
+                    experts as f64 / (1u64 << 30) as f64,
+                    room as f64 / (1u64 << 30) as f64
+                );
+                streamed = StoreOptions {
+                    budget: CacheBudget::Auto,
+                    ..store.clone()
+                };
+                &streamed
+            }
+            _ => store,
+        };
         // Streaming expert slots that do not fit are retried with half as many, down to top-k,
         // unless the VRAM budget was given (then the error says to give a smaller one).
         let retry = matches!(store.vram_budget, None | Some(CacheBudget::Auto));
