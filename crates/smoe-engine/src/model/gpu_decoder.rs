@@ -203,8 +203,21 @@ impl GpuDecoder {
         // Resident experts go to VRAM whole. Where they do not fit in the GPU's free memory
         // (NVIDIA's driver would place the rest in host memory, read over PCIe), stream them
         // instead: a host cache of what the RAM holds behind as many VRAM slots as fit.
+        // A VRAM budget alone (`--vram-cache` with a resident host) streams too.
         let streamed;
         let store = match (store.budget, resident_room(&ctx, vault, store)) {
+            (CacheBudget::Resident, _)
+                if !matches!(store.vram_budget, None | Some(CacheBudget::Auto)) =>
+            {
+                tracing::info!(
+                    "GPU backend: --vram-cache given: streaming experts (--expert-cache auto)"
+                );
+                streamed = StoreOptions {
+                    budget: CacheBudget::Auto,
+                    ..store.clone()
+                };
+                &streamed
+            }
             (CacheBudget::Resident, Some((room, experts))) if experts > room => {
                 tracing::warn!(
                     "GPU backend: the experts ({:.1} GiB) do not fit in the GPU's free memory ({:.1} GiB after the dense weights and 2 GiB): streaming them (--expert-cache auto)",
@@ -295,14 +308,10 @@ impl GpuDecoder {
         let lands = unified && mappable && store.mapped_slots;
         let budget = store.budget.bytes(vault);
         // The VRAM slots' budget: `--vram-cache`, else the host's (`--expert-cache`).
+        // (`load` streams a resident host where a VRAM budget is given.)
         let vram_budget = match store.vram_budget {
             None | Some(CacheBudget::Auto) => budget,
-            Some(v) if budget.is_some() => v.bytes(vault).or(Some(u64::MAX)),
-            Some(_) => {
-                return Err(EngineError::Invalid(
-                    "--vram-cache streams experts from the host's expert cache: give --expert-cache too (a size, a share or auto)".into(),
-                ))
-            }
+            Some(v) => budget.and(v.bytes(vault).or(Some(u64::MAX))),
         };
         let mut experts = match budget {
             None => {
