@@ -205,10 +205,12 @@ impl GpuDecoder {
         // instead: a host cache of what the RAM holds behind as many VRAM slots as fit.
         // A VRAM budget alone (`--vram-cache` with a resident host) streams too.
         let streamed;
-        let store = match (store.budget, resident_room(&ctx, vault, store)) {
-            (CacheBudget::Resident, _)
-                if !matches!(store.vram_budget, None | Some(CacheBudget::Auto)) =>
-            {
+        let resident = store.budget == CacheBudget::Resident;
+        let store = match (
+            resident,
+            resident.then(|| resident_room(&ctx, vault, store)),
+        ) {
+            (true, _) if !matches!(store.vram_budget, None | Some(CacheBudget::Auto)) => {
                 tracing::info!(
                     "GPU backend: --vram-cache given: streaming experts (--expert-cache auto)"
                 );
@@ -218,7 +220,7 @@ impl GpuDecoder {
                 };
                 &streamed
             }
-            (CacheBudget::Resident, Some((room, experts))) if experts > room => {
+            (true, Some(Some((room, experts)))) if experts > room => {
                 tracing::warn!(
                     "GPU backend: the experts ({:.1} GiB) do not fit in the GPU's free memory ({:.1} GiB after the dense weights and 2 GiB): streaming them (--expert-cache auto)",
                     experts as f64 / (1u64 << 30) as f64,
