@@ -28,7 +28,7 @@ use crate::kv_cache::KvCache;
 use crate::rope::RopeTable;
 use crate::store::{CacheBudget, Experts, StoreOptions};
 use smoe_compute::gpu::{
-    nvidia_memory, wgpu, BufRef, ClockHold, EmbedGather, GpuContext, MatrixUnits, Timestamps,
+    wgpu, BufRef, ClockHold, EmbedGather, GpuContext, MatrixUnits, Timestamps,
 };
 use smoe_vault::{ModelConfig, TensorData, Vault};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -38,6 +38,7 @@ use std::time::Instant;
 mod oracle;
 mod streaming;
 mod through;
+mod vram;
 
 pub use oracle::RouteTrace;
 use streaming::Streaming;
@@ -159,30 +160,6 @@ enum End {
     Greedy,
 }
 
-/// Bytes of GPU memory that streaming expert slots may take: the device's free memory less the
-/// dense weights still to upload and 2 GiB (KV cache, activations), where the device says how
-/// much is free (NVIDIA's, through its CUDA driver); `None` elsewhere.
-fn vram_room(ctx: &GpuContext, vault: &Vault) -> Option<u64> {
-    let (free, _total) = nvidia_memory(&ctx.info().adapter)
-        .map_err(|why| tracing::debug!("GPU backend: free memory unknown ({why})"))
-        .ok()?;
-    let dense: u64 = vault.header.tensors.iter().map(|t| t.length).sum();
-    Some(free.saturating_sub(dense + (2 << 30)))
-}
-
-/// Resident experts: the VRAM they may take (`vram_room`, or the test hook
-/// `StoreOptions::vram_limit`, whichever is smaller) and the bytes they need; `None` where the
-/// room is unknown or the model has no experts.
-fn resident_room(ctx: &GpuContext, vault: &Vault, store: &StoreOptions) -> Option<(u64, u64)> {
-    let sec = vault.expert_section()?;
-    let experts = sec.blob_stride * sec.blobs.len() as u64;
-    let room = match (vram_room(ctx, vault), store.vram_limit) {
-        (Some(a), Some(b)) => a.min(b),
-        (a, b) => a.or(b)?,
-    };
-    Some((room, experts))
-}
-
 /// Records the head a pass of this `end` needs (`last`: its last piece): all logits, the last
 /// row's, or its argmax.
 fn record_head(head: &Head, r: &mut Recorder, end: End, last: bool) {
@@ -198,47 +175,16 @@ impl GpuDecoder {
     pub fn load(vault: &Vault, store: &StoreOptions) -> Result<Self, EngineError> {
         let ctx = gpu::context()?;
         let cfg = vault.header.config.clone();
-        // Out-of-memory while uploading becomes an error (a fallback under --backend auto)
-        // rather than wgpu's default panic.
-        // Resident experts go to VRAM whole. Where they do not fit in the GPU's free memory
-        // (NVIDIA's driver would place the rest in host memory, read over PCIe), stream them
-        // instead: a host cache of what the RAM holds behind as many VRAM slots as fit.
-        // A VRAM budget alone (`--vram-cache` with a resident host) streams too.
-        let streamed;
-        let resident = store.budget == CacheBudget::Resident;
-        let store = match (
-            resident,
-            resident.then(|| resident_room(&ctx, vault, store)),
-        ) {
-            (true, _) if !matches!(store.vram_budget, None | Some(CacheBudget::Auto)) => {
-                tracing::info!(
-                    "GPU backend: --vram-cache given: streaming experts (--expert-cache auto)"
-                );
-                streamed = StoreOptions {
-                    budget: CacheBudget::Auto,
-                    ..store.clone()
-                };
-                &streamed
-            }
-            (true, Some(Some((room, experts)))) if experts > room => {
-                tracing::warn!(
-                    "GPU backend: the experts ({:.1} GiB) do not fit in the GPU's free memory ({:.1} GiB after the dense weights and 2 GiB): streaming them (--expert-cache auto)",
-                    experts as f64 / (1u64 << 30) as f64,
-                    room as f64 / (1u64 << 30) as f64
-                );
-                streamed = StoreOptions {
-                    budget: CacheBudget::Auto,
-                    ..store.clone()
-                };
-                &streamed
-            }
-            _ => store,
-        };
+        // Resident experts go to VRAM whole; those that cannot (or a VRAM budget alone) stream.
+        let streamed = vram::stream_instead(&ctx, vault, store);
+        let store = streamed.as_ref().unwrap_or(store);
         // Streaming expert slots that do not fit are retried with half as many, down to top-k,
         // unless the VRAM budget was given (then the error says to give a smaller one).
         let retry = matches!(store.vram_budget, None | Some(CacheBudget::Auto));
         let mut cap = None;
         let m = loop {
+            // Out-of-memory while uploading becomes an error (a fallback under --backend auto)
+            // rather than wgpu's default panic.
             let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
             let built = Self::build(&ctx, vault, cfg.clone(), store, cap);
             if let Some(e) = pollster::block_on(scope.pop()) {
@@ -249,10 +195,7 @@ impl GpuDecoder {
                     if retry && slots > cfg.num_experts_per_tok.max(1) =>
                 {
                     let fewer = (slots / 2).max(cfg.num_experts_per_tok.max(1));
-                    tracing::warn!(
-                        "GPU backend: {slots} expert slots per MoE layer ({:.1} GiB) do not fit in GPU memory; trying {fewer} (--vram-cache sets the budget)",
-                        bytes as f64 / (1u64 << 30) as f64
-                    );
+                    vram::retrying(slots, bytes, fewer);
                     // Let wgpu free what the failed attempt allocated before the next one.
                     let _ = ctx.device.poll(wgpu::PollType::wait_indefinitely());
                     cap = Some(fewer);
@@ -341,31 +284,11 @@ impl GpuDecoder {
             (Some(budget), Some(sec)) if experts.is_streaming() => {
                 let moe = cfg.moe_layers().count().max(1) as u64;
                 let by_budget = budget / (sec.blob_stride * moe).max(1);
-                let mut slots = (by_budget.min(cfg.num_experts as u64) as usize)
+                let slots = (by_budget.min(cfg.num_experts as u64) as usize)
                     .min(slot_cap.unwrap_or(usize::MAX))
                     .max(k)
                     .min(cfg.num_experts);
-                // NVIDIA's Vulkan driver does not fail slots beyond the free VRAM: it places
-                // them in host memory, where every expert product reads them over PCIe (an H100
-                // with 9 GiB free decoded 12 tok/s from 14 GiB of slots at an 86 % hit rate).
-                // Where its CUDA driver says how much is free, `auto` keeps the slots within it,
-                // leaving room for the dense weights, the KV cache and activations.
-                if let Some(room) = vram_room(ctx, vault) {
-                    let fits = (room / (sec.blob_stride * moe).max(1)) as usize;
-                    match store.vram_budget {
-                        None | Some(CacheBudget::Auto) if fits < slots => {
-                            tracing::warn!(
-                                "GPU backend: {fits} expert slots per MoE layer fit in the GPU's free memory, not the {slots} --expert-cache asks for; using {} (--vram-cache sets them)",
-                                fits.max(k)
-                            );
-                            slots = fits.max(k);
-                        }
-                        Some(_) if fits < slots => tracing::warn!(
-                            "GPU backend: --vram-cache asks for {slots} expert slots per MoE layer, the GPU's free memory holds {fits}: the driver may place the rest in host memory, read over PCIe"
-                        ),
-                        _ => {}
-                    }
-                }
+                let slots = vram::fit_slots(ctx, vault, store, (slots, k, sec.blob_stride * moe));
                 let fit = (slots / k).clamp(1, T_MAX);
                 let max_piece = 1 << (usize::BITS - 1 - fit.leading_zeros());
                 tracing::info!(
