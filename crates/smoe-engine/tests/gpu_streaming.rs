@@ -593,6 +593,15 @@ fn slots_that_do_not_fit_are_halved_unless_the_vram_budget_was_given() {
         msg.contains("out of memory") && msg.contains("--vram-cache"),
         "{msg}"
     );
+    // Room for fewer than top-k slots: nothing to retry, and the error says what to do.
+    let tiny = StoreOptions {
+        vram_limit: Some(per_slot * k as u64 - 1),
+        ..store(None)
+    };
+    let err = Engine::open(&v.0, opts(tiny))
+        .err()
+        .expect("not even top-k slots fit");
+    assert!(err.to_string().contains("--backend cpu"), "{err}");
     // A VRAM budget with a resident host streams, the host cache taking what RAM holds.
     let e = open_store(
         StoreOptions {

@@ -200,6 +200,14 @@ impl GpuDecoder {
                     let _ = ctx.device.poll(wgpu::PollType::wait_indefinitely());
                     cap = Some(fewer);
                 }
+                // (Down to top-k, nothing fewer would do: say so rather than ask for less.)
+                Err(EngineError::SlotsOutOfMemory { bytes, .. }) if retry => {
+                    return Err(EngineError::Backend(format!(
+                        "GPU: out of memory even for the {} expert slots per MoE layer a token needs ({:.1} GiB in all): run this model with --backend cpu, or free GPU memory",
+                        cfg.num_experts_per_tok.max(1),
+                        bytes as f64 / (1u64 << 30) as f64
+                    )))
+                }
                 built => break built?,
             }
         };
