@@ -49,6 +49,14 @@ fn open_traced(
     )
 }
 
+/// A Q4 vault of fixture `name`, and the fully resident GPU run's `n` greedy tokens after
+/// `prompt`.
+fn resident_greedy(name: &str, prompt: &[u32], n: usize) -> (TempVault, Vec<u32>) {
+    let v = TempVault::new(name, DType::Q4);
+    let want = greedy(&open(&v.0, CacheBudget::Resident), prompt, n);
+    (v, want)
+}
+
 fn open_store(store: StoreOptions, path: &Path) -> Engine {
     let e = Engine::open(
         path,
@@ -252,9 +260,8 @@ fn a_deeper_lookahead_reads_further_ahead_and_changes_no_token() {
         return;
     }
     for name in ["tiny-dense-mix", "tiny-qwen2moe"] {
-        let v = TempVault::new(name, DType::Q4);
         let prompt: Vec<u32> = (3..40).collect();
-        let want = greedy(&open(&v.0, CacheBudget::Resident), &prompt, 24);
+        let (v, want) = resident_greedy(name, &prompt, 24);
         let guessed = |depth: usize, top: Option<usize>| {
             let e = open_store(deep_lookahead_store(depth, top), &v.0);
             let Model::Gpu(g) = &e.model else {
@@ -494,9 +501,8 @@ fn a_host_cache_larger_than_the_vram_slots() {
     if !have_gpu() {
         return;
     }
-    let v = TempVault::new("tiny-qwen2moe", DType::Q4);
     let prompt: Vec<u32> = (3..50).collect();
-    let want = greedy(&open(&v.0, CacheBudget::Resident), &prompt, 24);
+    let (v, want) = resident_greedy("tiny-qwen2moe", &prompt, 24);
     let e = open_store(
         StoreOptions {
             budget: CacheBudget::Fraction(1.0),
@@ -548,9 +554,8 @@ fn slots_that_do_not_fit_are_halved_unless_the_vram_budget_was_given() {
     if !have_gpu() {
         return;
     }
-    let v = TempVault::new("tiny-qwen2moe", DType::Q4);
     let prompt: Vec<u32> = (3..50).collect();
-    let want = greedy(&open(&v.0, CacheBudget::Resident), &prompt, 16);
+    let (v, want) = resident_greedy("tiny-qwen2moe", &prompt, 16);
     let vault = smoe_vault::Vault::open(&v.0).unwrap();
     let cfg = &vault.header.config;
     let sec = vault.expert_section().unwrap();

@@ -146,6 +146,18 @@ pub fn parse_pci_bus_id(id: &str) -> Option<(u32, u32, u32)> {
     Some((hex(domain)?, hex(bus)?, hex(device)?))
 }
 
+/// The CUDA driver and the device behind `adapter` (found by its PCI address).
+fn cuda_device(adapter: &wgpu::AdapterInfo) -> Result<(&'static Cuda, c_int), String> {
+    let at = parse_pci_bus_id(&adapter.device_pci_bus_id).ok_or_else(|| {
+        format!(
+            "the adapter reports no PCI address ('{}')",
+            adapter.device_pci_bus_id
+        )
+    })?;
+    let cuda = Cuda::get()?;
+    Ok((cuda, cuda.device_at(at)?))
+}
+
 /// Free and total memory of the NVIDIA GPU behind `adapter`, in bytes, as its CUDA driver
 /// counts them (every process's allocations included): wgpu has no such query, and NVIDIA's
 /// Vulkan driver does not fail an allocation beyond the free VRAM but places it in host memory,
@@ -156,10 +168,7 @@ pub fn nvidia_memory(adapter: &wgpu::AdapterInfo) -> Result<(u64, u64), String> 
     if adapter.vendor != NVIDIA {
         return Err(format!("{} is not an NVIDIA GPU", adapter.name));
     }
-    let at = parse_pci_bus_id(&adapter.device_pci_bus_id)
-        .ok_or_else(|| format!("no PCI address ('{}')", adapter.device_pci_bus_id))?;
-    let cuda = Cuda::get()?;
-    let dev = cuda.device_at(at)?;
+    let (cuda, dev) = cuda_device(adapter)?;
     let mut ctx = std::ptr::null_mut();
     // SAFETY: as in `ClockHold::acquire`; the context is made current on this thread only for
     // the query, and popped (then released) before returning, whatever the query gave.
@@ -214,14 +223,7 @@ impl ClockHold {
     /// the reason and go on.
     pub fn acquire(adapter: &wgpu::AdapterInfo) -> Result<ClockHold, String> {
         Self::applies(adapter)?;
-        let at = parse_pci_bus_id(&adapter.device_pci_bus_id).ok_or_else(|| {
-            format!(
-                "the adapter reports no PCI address ('{}')",
-                adapter.device_pci_bus_id
-            )
-        })?;
-        let cuda = Cuda::get()?;
-        let dev = cuda.device_at(at)?;
+        let (cuda, dev) = cuda_device(adapter)?;
         let mut ctx = std::ptr::null_mut();
         // SAFETY: `dev` came from cuDeviceGet; the out-pointer is a live local. The context is
         // never made current nor used: retaining it is the whole point.

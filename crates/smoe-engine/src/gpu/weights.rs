@@ -138,11 +138,9 @@ struct Loader<'a> {
     slots: Option<usize>,
     /// Streaming: make the slots mappable where the device allows (`StoreOptions::mapped_slots`).
     mapped_slots: bool,
-    /// Streaming, a test hook (`StoreOptions::vram_limit`): slot bytes beyond it fail as if
-    /// the GPU were out of memory.
+    /// Streaming, a test hook (`StoreOptions::vram_limit`): slots of more bytes in all fail
+    /// as if the GPU were out of memory.
     vram_limit: Option<u64>,
-    /// Streaming: slot bytes placed so far.
-    slot_bytes: std::cell::Cell<u64>,
 }
 
 impl Loader<'_> {
@@ -247,34 +245,29 @@ impl Loader<'_> {
         let slots = self.slots.map_or(n, |s| s.clamp(1, n));
         let label = format!("layer {l} experts");
         let bytes = slots as u64 * sec.blob_stride;
+        // Streaming slots that do not fit are an error the load can answer with fewer (the
+        // test hook says so before allocating).
+        let total = bytes * cfg.moe_layers().count() as u64;
+        let out_of_memory = || EngineError::SlotsOutOfMemory {
+            slots,
+            bytes: total,
+        };
+        if self.slots.is_some() && self.vram_limit.is_some_and(|limit| total > limit) {
+            return Err(out_of_memory());
+        }
         // Streaming slots the host can map and write into (`gpu::slots`), where offered.
         let fits = bytes <= self.ctx.limits().max_buffer_size;
         let mapped = (self.slots.is_some() && self.mapped_slots && fits)
             .then(|| self.ctx.mappable_storage_buffer(&label, bytes))
             .flatten();
         let mappable = mapped.is_some();
-        let buf =
-            match (mapped, self.slots) {
-                (Some(buf), _) => buf,
-                (None, None) => self.buffer(&label, bytes)?,
-                // Streaming slots that do not fit are an error the load can answer with fewer.
-                (None, Some(_)) => self.ctx.try_storage_buffer(&label, bytes).ok_or(
-                    EngineError::SlotsOutOfMemory {
-                        slots,
-                        bytes: self.slot_bytes.get() + bytes,
-                    },
-                )?,
-            };
-        if self.slots.is_some() {
-            let placed = self.slot_bytes.get() + bytes;
-            self.slot_bytes.set(placed);
-            if self.vram_limit.is_some_and(|limit| placed > limit) {
-                return Err(EngineError::SlotsOutOfMemory {
-                    slots,
-                    bytes: placed,
-                });
+        let buf = match (mapped, self.slots) {
+            (Some(buf), _) => buf,
+            (None, None) => self.buffer(&label, bytes)?,
+            (None, Some(_)) => {
+                (self.ctx.try_storage_buffer(&label, bytes)).ok_or_else(out_of_memory)?
             }
-        }
+        };
         for e in (0..n).filter(|_| self.slots.is_none()) {
             let blob = self.vault.expert_entry(l, e)?;
             let bytes = self.vault.expert_bytes_mapped(blob);
@@ -378,7 +371,6 @@ impl Weights {
             slots: expert_slots.map(|s| s.slots),
             mapped_slots: expert_slots.is_some_and(|s| s.mapped),
             vram_limit: expert_slots.and_then(|s| s.vram_limit),
-            slot_bytes: std::cell::Cell::new(0),
         };
         let mut layers = vec![];
         for l in 0..cfg.num_layers {

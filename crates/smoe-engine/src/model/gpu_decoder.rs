@@ -175,8 +175,10 @@ impl GpuDecoder {
     pub fn load(vault: &Vault, store: &StoreOptions) -> Result<Self, EngineError> {
         let ctx = gpu::context()?;
         let cfg = vault.header.config.clone();
+        // The GPU's free memory, asked once (where the driver answers; a model with experts).
+        let room = vault.expert_section().and_then(|_| vram::room(&ctx, vault));
         // Resident experts go to VRAM whole; those that cannot (or a VRAM budget alone) stream.
-        let streamed = vram::stream_instead(&ctx, vault, store);
+        let streamed = vram::stream_instead(vault, store, room);
         let store = streamed.as_ref().unwrap_or(store);
         // Streaming expert slots that do not fit are retried with half as many, down to top-k,
         // unless the VRAM budget was given (then the error says to give a smaller one).
@@ -186,7 +188,7 @@ impl GpuDecoder {
             // Out-of-memory while uploading becomes an error (a fallback under --backend auto)
             // rather than wgpu's default panic.
             let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
-            let built = Self::build(&ctx, vault, cfg.clone(), store, cap);
+            let built = Self::build(&ctx, vault, cfg.clone(), store, (cap, room));
             if let Some(e) = pollster::block_on(scope.pop()) {
                 return Err(EngineError::Backend(format!("GPU: {e}")));
             }
@@ -235,14 +237,14 @@ impl GpuDecoder {
         Ok(m)
     }
 
-    /// `slot_cap`: at most this many expert slots per MoE layer when streaming (a retry after
-    /// the budget's did not fit).
+    /// Streaming: at most `slot_cap` expert slots per MoE layer (a retry after the budget's did
+    /// not fit), within `room` bytes of free GPU memory where known (`vram::room`).
     fn build(
         ctx: &Arc<GpuContext>,
         vault: &Vault,
         cfg: ModelConfig,
         store: &StoreOptions,
-        slot_cap: Option<usize>,
+        (slot_cap, room): (Option<usize>, Option<u64>),
     ) -> Result<Self, EngineError> {
         static IDS: AtomicU64 = AtomicU64::new(1);
         let rope = RopeTable::new(&cfg.rope, cfg.head_dim);
@@ -296,7 +298,7 @@ impl GpuDecoder {
                     .min(slot_cap.unwrap_or(usize::MAX))
                     .max(k)
                     .min(cfg.num_experts);
-                let slots = vram::fit_slots(ctx, vault, store, (slots, k, sec.blob_stride * moe));
+                let slots = vram::fit_slots(store, room, (slots, k, sec.blob_stride * moe));
                 let fit = (slots / k).clamp(1, T_MAX);
                 let max_piece = 1 << (usize::BITS - 1 - fit.leading_zeros());
                 tracing::info!(

@@ -375,7 +375,7 @@ impl StreamedStore {
     /// Stats so far, with totals and the cache's current size.
     pub fn stats(&self) -> StoreStats {
         let mut st = self.stats.lock().unwrap().clone();
-        let busy = self.busy.lock().unwrap().secs;
+        let busy = self.busy.lock().unwrap().secs();
         st.cache_bytes = self.cache.lock().unwrap().used();
         st.direct_io = self.reader.is_direct();
         (st.buffer_allocs, st.buffer_alloc_seconds) = self.pool.inline_allocs();
@@ -385,7 +385,7 @@ impl StreamedStore {
 
     pub fn reset_stats(&self) {
         self.stats.lock().unwrap().reset();
-        self.busy.lock().unwrap().secs = 0.0;
+        self.busy.lock().unwrap().reset();
         self.pool.reset_inline_allocs();
     }
 
@@ -448,11 +448,11 @@ fn guess_readers(threads: usize) -> usize {
     threads.div_ceil(4)
 }
 
-/// Reads in flight and the time they took: `secs` since the last reset (read GB/s), `ever`
-/// since the store opened (with `opened`, the disk's idle time).
+/// Reads in flight and the time they took: `ever` since the store opened (with `opened`, the
+/// disk's idle time), `ever - at_reset` since the last reset (read GB/s).
 struct Busy {
-    secs: f64,
     ever: f64,
+    at_reset: f64,
     n: usize,
     since: Option<Instant>,
     opened: Instant,
@@ -461,8 +461,8 @@ struct Busy {
 impl Busy {
     fn new() -> Self {
         Busy {
-            secs: 0.0,
             ever: 0.0,
+            at_reset: 0.0,
             n: 0,
             since: None,
             opened: Instant::now(),
@@ -480,12 +480,19 @@ impl Busy {
             self.n -= 1;
             if self.n == 0 {
                 if let Some(t) = self.since.take() {
-                    let d = t.elapsed().as_secs_f64();
-                    self.secs += d;
-                    self.ever += d;
+                    self.ever += t.elapsed().as_secs_f64();
                 }
             }
         }
+    }
+
+    /// Busy seconds since the last `reset` (of the reads that have finished).
+    fn secs(&self) -> f64 {
+        self.ever - self.at_reset
+    }
+
+    fn reset(&mut self) {
+        self.at_reset = self.ever;
     }
 
     fn idle_s(&self) -> f64 {
@@ -509,7 +516,7 @@ mod tests {
     }
 
     /// The disk's idle clock stands still while a read is in flight, however many overlap,
-    /// and runs while none is; the busy time survives a reset of `secs`.
+    /// and runs while none is; the busy time since the store opened survives a reset.
     #[test]
     fn the_idle_clock_runs_only_while_no_read_is_in_flight() {
         let mut b = Busy::new();
@@ -523,8 +530,14 @@ mod tests {
         let i1 = b.idle_s();
         b.change(false);
         assert!((i1 - i0).abs() < 1e-3, "idle {i0} -> {i1} while reading");
-        assert!(b.secs >= 0.04 && b.ever == b.secs, "{} {}", b.secs, b.ever);
-        b.secs = 0.0;
+        assert!(
+            b.secs() >= 0.04 && b.ever == b.secs(),
+            "{} {}",
+            b.secs(),
+            b.ever
+        );
+        b.reset();
+        assert_eq!(b.secs(), 0.0);
         std::thread::sleep(nap);
         let i2 = b.idle_s();
         assert!(i2 - i1 >= 0.019, "idle {i1} -> {i2} with nothing in flight");

@@ -21,8 +21,9 @@ fn gib(bytes: u64) -> String {
 
 /// Bytes of GPU memory that routed experts may take: the device's free memory less the dense
 /// weights still to upload and `HEADROOM`, where the device says how much is free (NVIDIA's);
-/// `None` elsewhere.
-fn room(ctx: &GpuContext, vault: &Vault) -> Option<u64> {
+/// `None` elsewhere. (Each query retains and releases the device's CUDA context: a load asks
+/// once.)
+pub(super) fn room(ctx: &GpuContext, vault: &Vault) -> Option<u64> {
     let (free, _total) = nvidia_memory(&ctx.info().adapter)
         .map_err(|why| tracing::debug!("GPU backend: free memory unknown ({why})"))
         .ok()?;
@@ -35,9 +36,9 @@ fn room(ctx: &GpuContext, vault: &Vault) -> Option<u64> {
 /// GPU's free memory (`room`, or the test hook `StoreOptions::vram_limit`). Then the host cache
 /// is `auto` (what the RAM holds) behind as many VRAM slots as fit.
 pub(super) fn stream_instead(
-    ctx: &GpuContext,
     vault: &Vault,
     store: &StoreOptions,
+    room: Option<u64>,
 ) -> Option<StoreOptions> {
     if store.budget != CacheBudget::Resident {
         return None;
@@ -52,7 +53,7 @@ pub(super) fn stream_instead(
     }
     let sec = vault.expert_section()?;
     let experts = sec.blob_stride * sec.blobs.len() as u64;
-    let room = match (room(ctx, vault), store.vram_limit) {
+    let room = match (room, store.vram_limit) {
         (Some(a), Some(b)) => a.min(b),
         (a, b) => a.or(b)?,
     };
@@ -69,16 +70,15 @@ pub(super) fn stream_instead(
 }
 
 /// Streaming: `slots` expert slots per MoE layer (of `per_slot` bytes over all MoE layers, at
-/// least `k`), within the GPU's free memory where it is known: `auto` takes fewer, with a
-/// warning; a given `--vram-cache` keeps them, with a warning that the driver may place the
-/// rest in host memory.
+/// least `k`), within `room` (the GPU's free memory) where it is known: `auto` takes fewer,
+/// with a warning; a given `--vram-cache` keeps them, with a warning that the driver may place
+/// the rest in host memory.
 pub(super) fn fit_slots(
-    ctx: &GpuContext,
-    vault: &Vault,
     store: &StoreOptions,
+    room: Option<u64>,
     (slots, k, per_slot): (usize, usize, u64),
 ) -> usize {
-    let Some(room) = room(ctx, vault) else {
+    let Some(room) = room else {
         return slots;
     };
     let fits = (room / per_slot.max(1)) as usize;
