@@ -466,6 +466,18 @@ fn synth_bench_and_profile() {
         r["read_bytes_per_token"].as_f64().unwrap(),
     );
     assert!(missed > 0.0 && missed <= read, "{r}");
+    // The share of the I/O bound, split into busy × precise × speed: precise is the needed
+    // share of the bytes read, and (one repetition, so the median is the whole run) the
+    // product is the share itself.
+    let f = &r["io_bound_factors"];
+    let [busy, precise, speed] = ["busy", "precise", "speed"].map(|k| f[k].as_f64().unwrap());
+    assert!(busy > 0.0 && speed > 0.0, "{r}");
+    assert!((precise - missed / read).abs() < 1e-9, "{r}");
+    let share = r["decode_over_io_bound"].as_f64().unwrap();
+    assert!(
+        (busy * precise * speed / share - 1.0).abs() < 1e-6,
+        "{busy} × {precise} × {speed} against {share}: {r}"
+    );
     assert!(r["vram_slots"].is_null(), "no VRAM slots on the CPU: {r}");
     // The bench saved a usage profile beside the vault; render it.
     let out = smoe(&["profile", vs]);

@@ -4,6 +4,7 @@ use crate::common::{model_path, open_engine_with, Backend};
 use crate::store_args::StoreArgs;
 use anyhow::{bail, Result};
 use smoe_engine::model::gpu_decoder::GpuProfile;
+use smoe_engine::store::StoreStats;
 use smoe_engine::{Engine, Logits};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -11,7 +12,8 @@ use std::time::Instant;
 #[derive(clap::Subcommand)]
 pub enum Bench {
     /// Prefill and decode tok/s, expert-cache hit rate, read GB/s, and the I/O and bandwidth
-    /// bounds, all measured in this run.
+    /// bounds, all measured in this run; a streamed decode's share of the I/O bound split into
+    /// busy × precise × speed.
     Decode(DecodeArgs),
     /// GB/s of each GPU matvec kernel at Qwen3-MoE shapes beside a copy kernel's GB/s, TFLOP/s
     /// of the prefill kernels (token-batched GEMM, prefill attention) at 512 tokens, and what a
@@ -388,6 +390,7 @@ fn decode(a: DecodeArgs) -> Result<()> {
     for r in 0..a.reps {
         tg_tps.push(decode_run(a.tg, r * a.tg)?);
     }
+    let decode_s: f64 = tg_tps.iter().map(|tps| a.tg as f64 / tps).sum();
     let stats = a.store.finish(&engine);
     // Measured again after the runs (the disk's speed drifts): the bound takes the faster.
     let disk_after = stats.as_ref().and_then(|_| disk_gbps(&engine));
@@ -439,6 +442,10 @@ fn decode(a: DecodeArgs) -> Result<()> {
         (Some(d), true) => Some(d * 1e9 / miss_bytes_per_token),
         _ => None,
     };
+    let factors = match (&stats, disk) {
+        (Some(s), Some(d)) if io_bound.is_some() => IoFactors::of(s, d, decode_s, stride),
+        _ => None,
+    };
     let pp = (!pp_tps.is_empty()).then(|| median_spread(pp_tps));
     let slots = engine.model.vram_slot_stats();
     let report = serde_json::json!({
@@ -466,6 +473,7 @@ fn decode(a: DecodeArgs) -> Result<()> {
         "speculative_recall": slots.and_then(|v| v.spec_recall),
         "io_bound_tok_per_s": io_bound,
         "decode_over_io_bound": io_bound.map(|b| tg / b),
+        "io_bound_factors": factors.map(|f| serde_json::json!({"busy": f.busy, "precise": f.precise, "speed": f.speed})),
         "hit_rate": stats.as_ref().map(|s| s.hit_rate),
         "read_gb_per_s": stats.as_ref().map(|s| s.read_gb_per_s),
         "cache_budget_bytes": stats.as_ref().map(|s| s.cache_budget),
@@ -511,7 +519,44 @@ fn decode(a: DecodeArgs) -> Result<()> {
         (Some(s), None) => println!("experts all cached: hit rate {:.1}%", 100.0 * s.hit_rate),
         (None, _) => println!("experts resident (memory-mapped); disk {:.2} GB/s direct", disk.unwrap_or(0.0)),
     }
+    if let Some(f) = factors {
+        println!(
+            "  = busy {:.0}% (time with a read in flight) × precise {:.0}% (bytes needed ÷ read) × speed {:.0}% (read rate while busy ÷ the disk bench's), over all repetitions",
+            100.0 * f.busy,
+            100.0 * f.precise,
+            100.0 * f.speed
+        );
+    }
     Ok(())
+}
+
+/// The share of the I/O bound a streamed decode reached, as the product of three factors
+/// (docs/performance.md, "What the ratio to the I/O bound is made of"): the share of the decode
+/// time during which a read was in flight, the share of the bytes read that the routing needed,
+/// and the read rate while busy over the disk bench's. Their product is tokens ÷ decode time ÷
+/// the bound, over all repetitions.
+#[derive(Clone, Copy)]
+struct IoFactors {
+    busy: f64,
+    precise: f64,
+    speed: f64,
+}
+
+impl IoFactors {
+    /// From the store's counts since the reset before the decode runs, the disk bench's GB/s,
+    /// the runs' decode seconds and the bytes per expert blob. `None` where nothing was read.
+    fn of(s: &StoreStats, disk_gbps: f64, decode_s: f64, stride: u64) -> Option<Self> {
+        let read = s.total.bytes_read as f64;
+        if read <= 0.0 || s.read_gb_per_s <= 0.0 || decode_s <= 0.0 || disk_gbps <= 0.0 {
+            return None;
+        }
+        let busy_s = read / (s.read_gb_per_s * 1e9);
+        Some(IoFactors {
+            busy: busy_s / decode_s,
+            precise: (s.total.misses * stride) as f64 / read,
+            speed: s.read_gb_per_s / disk_gbps,
+        })
+    }
 }
 
 fn breakdown_json(
