@@ -3,8 +3,8 @@
 # synthesizes the q4 30B-A3B vault, records its routing at 100 %, then at 25 % and 50 % budgets
 # runs, alternating, the default (one MoE layer ahead), SMOE_LOOKAHEAD_DEPTH=4 with and without
 # SMOE_LOOKAHEAD_TOP=4, and the routing oracle (perfect guesses four layers ahead), then prints
-# two lines per run (tok/s, ratio to the I/O bound, MiB read and needed per token, recalls;
-# then where the passes' time went).
+# a few lines per run (tok/s, ratio to the I/O bound, MiB read and needed per token, recalls;
+# then where the passes' time went, the disk's idle time, and busy × precise × speed).
 #
 #   scripts/device-pack.sh     # here; then with the device tool, carry
 #                              # [".gl", ".dev/pack.tar.xz", ".dev/device.sh"] and run
@@ -76,6 +76,10 @@ for block in re.split(r'^=== ', text, flags=re.M)[1:]:
     if i:
         print(f"{'':22s} disk idle {i['pass_s']:.2f} (in GPU waits {i['gpu_wait_s']:.2f}, fills {i['fill_s']:.2f},"
               f" elsewhere {i['pass_s'] - i['gpu_wait_s'] - i['fill_s']:.2f})")
+    # The share of the bound as busy × precise × speed (the bench's own split).
+    k = d.get('io_bound_factors')
+    if k:
+        print(f"{'':22s} = busy {k['busy']:.3f} × precise {k['precise']:.3f} × speed {k['speed']:.3f}")
 PY
 cat "$OUT/summary.txt"
 echo "done in $(el) s"
