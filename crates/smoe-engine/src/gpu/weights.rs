@@ -138,8 +138,8 @@ struct Loader<'a> {
     slots: Option<usize>,
     /// Streaming: make the slots mappable where the device allows (`StoreOptions::mapped_slots`).
     mapped_slots: bool,
-    /// Streaming, a test hook (`StoreOptions::vram_limit`): slots of more bytes in all fail
-    /// as if the GPU were out of memory.
+    /// Streaming (only ever set with `slots`), a test hook (`StoreOptions::vram_limit`): slots
+    /// of more bytes in all fail as if the GPU were out of memory.
     vram_limit: Option<u64>,
 }
 
@@ -252,7 +252,7 @@ impl Loader<'_> {
             slots,
             bytes: total,
         };
-        if self.slots.is_some() && self.vram_limit.is_some_and(|limit| total > limit) {
+        if self.vram_limit.is_some_and(|limit| total > limit) {
             return Err(out_of_memory());
         }
         // Streaming slots the host can map and write into (`gpu::slots`), where offered.

@@ -182,7 +182,8 @@ impl GpuDecoder {
         let store = streamed.as_ref().unwrap_or(store);
         // Streaming expert slots that do not fit are retried with half as many, down to top-k,
         // unless the VRAM budget was given (then the error says to give a smaller one).
-        let retry = matches!(store.vram_budget, None | Some(CacheBudget::Auto));
+        let retry = vram::given(store).is_none();
+        let k = cfg.num_experts_per_tok.max(1);
         let mut cap = None;
         let m = loop {
             // Out-of-memory while uploading becomes an error (a fallback under --backend auto)
@@ -194,9 +195,9 @@ impl GpuDecoder {
             }
             match built {
                 Err(EngineError::SlotsOutOfMemory { slots, bytes })
-                    if retry && slots > cfg.num_experts_per_tok.max(1) =>
+                    if retry && slots > k =>
                 {
-                    let fewer = (slots / 2).max(cfg.num_experts_per_tok.max(1));
+                    let fewer = (slots / 2).max(k);
                     vram::retrying(slots, bytes, fewer);
                     // Let wgpu free what the failed attempt allocated before the next one.
                     let _ = ctx.device.poll(wgpu::PollType::wait_indefinitely());
@@ -205,8 +206,7 @@ impl GpuDecoder {
                 // (Down to top-k, nothing fewer would do: say so rather than ask for less.)
                 Err(EngineError::SlotsOutOfMemory { bytes, .. }) if retry => {
                     return Err(EngineError::Backend(format!(
-                        "GPU: out of memory even for the {} expert slots per MoE layer a token needs ({:.1} GiB in all): run this model with --backend cpu, or free GPU memory",
-                        cfg.num_experts_per_tok.max(1),
+                        "GPU: out of memory even for the {k} expert slots per MoE layer a token needs ({:.1} GiB in all): run this model with --backend cpu, or free GPU memory",
                         bytes as f64 / (1u64 << 30) as f64
                     )))
                 }
@@ -264,8 +264,8 @@ impl GpuDecoder {
         let budget = store.budget.bytes(vault);
         // The VRAM slots' budget: `--vram-cache`, else the host's (`--expert-cache`).
         // (`load` streams a resident host where a VRAM budget is given.)
-        let vram_budget = match store.vram_budget {
-            None | Some(CacheBudget::Auto) => budget,
+        let vram_budget = match vram::given(store) {
+            None => budget,
             Some(v) => budget.and(v.bytes(vault).or(Some(u64::MAX))),
         };
         let mut experts = match budget {
