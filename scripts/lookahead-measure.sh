@@ -79,7 +79,8 @@ for block in re.split(r'^=== ', text, flags=re.M)[1:]:
     # The share of the bound as busy × precise × speed (the bench's own split).
     k = d.get('io_bound_factors')
     if k:
-        print(f"{'':22s} = busy {k['busy']:.3f} × precise {k['precise']:.3f} × speed {k['speed']:.3f}")
+        print(f"{'':22s} = busy {k['busy']:.3f} × precise {k['precise']:.3f} × speed {k['speed']:.3f}"
+              f" ({d.get('read_depth') or 0:.2f} reads in flight while busy)")
 PY
 cat "$OUT/summary.txt"
 echo "done in $(el) s"

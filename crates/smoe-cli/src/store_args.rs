@@ -26,6 +26,11 @@ pub struct StoreArgs {
     /// Threads reading expert blobs in parallel (more keeps a fast NVMe busier).
     #[arg(long, default_value_t = 8, value_name = "N")]
     pub read_threads: usize,
+    /// Bytes per read: the reader threads share each expert blob in pieces of this size
+    /// (rounded up to 16 KiB), or `blob` for one read per blob. `smoe bench disk` measures
+    /// what the vault's disk reads fastest.
+    #[arg(long, default_value = "256KiB", value_name = "SIZE|blob")]
+    pub read_piece: String,
 }
 
 impl Default for StoreArgs {
@@ -36,6 +41,7 @@ impl Default for StoreArgs {
             stats: false,
             vram_cache: None,
             read_threads: 8,
+            read_piece: "256KiB".into(),
         }
     }
 }
@@ -61,6 +67,7 @@ impl StoreArgs {
             vram_budget,
             profile: !self.no_profile,
             read_threads: self.read_threads,
+            read_piece: parse_read_piece(&self.read_piece).context("--read-piece")?,
             ..StoreOptions::default()
         })
     }
@@ -147,6 +154,21 @@ impl StoreArgs {
     }
 }
 
+/// A read size: `blob` (whole blobs: `usize::MAX`, which the store caps at the blob) or a size
+/// of at least 16 KiB (`256KiB`, `1MiB`).
+pub fn parse_read_piece(s: &str) -> Result<usize> {
+    if s.trim().eq_ignore_ascii_case("blob") {
+        return Ok(usize::MAX);
+    }
+    match s.parse::<CacheBudget>() {
+        Ok(CacheBudget::Bytes(b)) if b >= 16 << 10 => Ok(b.min(1 << 40) as usize),
+        Ok(CacheBudget::Bytes(b)) => {
+            anyhow::bail!("'{s}': {b} bytes is below 16 KiB, the smallest direct read")
+        }
+        _ => anyhow::bail!("'{s}': expected a size like 256KiB or 1MiB, or blob"),
+    }
+}
+
 /// Resident when the experts take under 60 % of available memory; otherwise stream.
 fn default_budget(vault: &Path) -> CacheBudget {
     let size = std::fs::metadata(vault).map(|m| m.len()).unwrap_or(0);
@@ -164,7 +186,7 @@ fn default_budget(vault: &Path) -> CacheBudget {
 pub fn print_stats(st: &StoreStats) {
     let t = &st.total;
     eprintln!(
-        "[experts: {} hits, {} misses (hit rate {:.1}%; {} of them read a layer ahead, {} guesses read and unused, {} dropped unread), {:.1} MiB read at {:.2} GB/s{}; {} read buffers allocated by a reader ({:.3}s); io wait {:.3}s, compute {:.3}s; cache {:.1}/{:.1} MiB]",
+        "[experts: {} hits, {} misses (hit rate {:.1}%; {} of them read a layer ahead, {} guesses read and unused, {} dropped unread), {:.1} MiB read at {:.2} GB/s{} ({:.1} reads in flight on average); {} read buffers allocated by a reader ({:.3}s); io wait {:.3}s, compute {:.3}s; cache {:.1}/{:.1} MiB]",
         t.hits,
         t.misses,
         100.0 * st.hit_rate,
@@ -174,6 +196,7 @@ pub fn print_stats(st: &StoreStats) {
         t.bytes_read as f64 / (1 << 20) as f64,
         st.read_gb_per_s,
         if st.direct_io { " direct" } else { " buffered" },
+        st.read_depth,
         st.buffer_allocs,
         st.buffer_alloc_seconds,
         t.io_wait_seconds,
@@ -201,5 +224,20 @@ pub fn print_stats(st: &StoreStats) {
             s.bytes_read as f64 / (1 << 20) as f64,
             s.io_wait_seconds
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_read_piece;
+
+    #[test]
+    fn read_pieces_are_sizes_of_at_least_16_kib_or_whole_blobs() {
+        assert_eq!(parse_read_piece("256KiB").unwrap(), 256 << 10);
+        assert_eq!(parse_read_piece("1MiB").unwrap(), 1 << 20);
+        assert_eq!(parse_read_piece("Blob").unwrap(), usize::MAX);
+        for bad in ["8KiB", "25%", "auto", "fast", "-1MiB"] {
+            assert!(parse_read_piece(bad).is_err(), "{bad} accepted");
+        }
     }
 }

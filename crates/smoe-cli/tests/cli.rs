@@ -479,6 +479,9 @@ fn synth_bench_and_profile() {
         "{busy} × {precise} × {speed} against {share}: {r}"
     );
     assert!(r["vram_slots"].is_null(), "no VRAM slots on the CPU: {r}");
+    // While busy, at least one read and at most the 8 readers' were in flight.
+    let depth = r["read_depth"].as_f64().unwrap();
+    assert!((1.0..=8.0).contains(&depth), "read depth {depth}: {r}");
     // The bench saved a usage profile beside the vault; render it.
     let out = smoe(&["profile", vs]);
     assert!(
@@ -506,12 +509,42 @@ fn synth_bench_and_profile() {
         &smoe(&["synth", "--preset", "nope", "-o", vs]),
         "unknown preset",
     );
+    // Streamed with every expert read at each use, in pieces or whole: the same tokens.
+    let streamed = |piece: &str| {
+        let args = [
+            "generate",
+            "-m",
+            vs,
+            "--prompt-ids",
+            "1,2,3",
+            "-n",
+            "6",
+            "--json",
+        ];
+        let extra = [
+            "--backend",
+            "cpu",
+            "--temperature",
+            "0",
+            "--expert-cache",
+            "0",
+        ];
+        let out = smoe_ok(&[&args[..], &extra, &["--no-profile", "--read-piece", piece]].concat());
+        let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(r["tokens"].as_array().map(Vec::len), Some(6), "{r}");
+        r["tokens"].clone()
+    };
+    assert_eq!(streamed("blob"), streamed("16KiB"));
     let generate = ["generate", "-m", vs, "--prompt-ids", "1"];
     for (bad, flag) in [
         (&["--expert-cache", "lots"][..], "--expert-cache"),
         (
             &["--expert-cache", "25%", "--vram-cache", "150%"][..],
             "--vram-cache",
+        ),
+        (
+            &["--expert-cache", "0", "--read-piece", "4KiB"][..],
+            "--read-piece",
         ),
     ] {
         assert_one_line_error(&smoe(&[&generate[..], bad].concat()), flag);
@@ -570,4 +603,41 @@ fn bench_serve_reports_each_client_count() {
     assert_eq!(runs[1]["clients"], 3);
     assert_eq!(runs[1]["tokens"], 12, "every client got its 4 tokens: {v}");
     assert!(v["ratio_last_to_first"].as_f64().unwrap() > 0.0);
+}
+
+/// `bench disk` measures every (read size, threads) pair in each round, with whole blobs as
+/// long as the vault's blob stride, and refuses a read below 16 KiB.
+#[test]
+fn bench_disk_reads_each_size_on_each_thread_count() {
+    let d = tmp("disk");
+    let v = d.join("s.smoe");
+    let vs = v.to_str().unwrap();
+    smoe_ok(&["synth", "--preset", "tiny", "-o", vs]);
+    let args = [
+        "bench", "disk", "-m", vs, "--mib", "1", "--rounds", "2", "--json",
+    ];
+    let sizes = ["--threads", "1,3", "--pieces", "16KiB,blob"];
+    let out = smoe_ok(&[&args[..], &sizes].concat());
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = r["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 4, "{r}");
+    let blob = r["blob_bytes"].as_u64().unwrap();
+    for row in rows {
+        let piece = row["piece_bytes"].as_u64().unwrap();
+        match row["piece"].as_str().unwrap() {
+            "blob" => assert_eq!(piece, blob, "{r}"),
+            _ => assert_eq!(piece, 16 << 10, "{r}"),
+        }
+        let rounds = row["rounds"].as_array().unwrap();
+        assert_eq!(rounds.len(), 2, "{r}");
+        assert!(rounds.iter().all(|g| g.as_f64().unwrap() > 0.0), "{r}");
+    }
+    assert_one_line_error(
+        &smoe(&[&args[..], &["--pieces", "8KiB"]].concat()),
+        "16 KiB",
+    );
+    assert_one_line_error(
+        &smoe(&[&args[..], &["--threads", "0"]].concat()),
+        "--threads",
+    );
 }

@@ -23,6 +23,9 @@ pub enum Bench {
     Kernels(KernelArgs),
     /// The server under load: total tok/s and p50/p99 latency at several numbers of clients.
     Serve(crate::cmd::bench_serve::Args),
+    /// Direct-read GB/s of the vault's disk for each read size and number of reader threads
+    /// (what --read-piece and --read-threads should be).
+    Disk(crate::cmd::bench_disk::Args),
 }
 
 #[derive(clap::Args)]
@@ -80,6 +83,7 @@ pub fn run(b: Bench) -> Result<()> {
         Bench::Decode(a) => decode(a),
         Bench::Kernels(a) => kernels(a),
         Bench::Serve(a) => crate::cmd::bench_serve::run(a),
+        Bench::Disk(a) => crate::cmd::bench_disk::run(a),
     }
 }
 
@@ -224,45 +228,14 @@ fn median_spread(mut v: Vec<f64>) -> (f64, f64, f64) {
     (v[v.len() / 2], v[0], v[v.len() - 1])
 }
 
-/// Direct-read bandwidth of the vault's disk: parallel 16 KiB-aligned reads of 1 GiB of expert
-/// blobs (8 threads, one blob per read), picked afresh each time from all over the vault so
-/// that no cache below the file system (a virtual disk's host) has seen them.
+/// Direct-read bandwidth of the vault's disk: 1 GiB of expert blobs read on 8 threads, one read
+/// per blob, picked afresh each time from all over the vault so that no cache below the file
+/// system (a virtual disk's host) has seen them (`smoe bench disk` measures other read sizes and
+/// thread counts).
 fn disk_gbps(engine: &Engine) -> Option<f64> {
-    use std::os::unix::fs::FileExt;
     let x = engine.vault.expert_section()?;
-    let stride = x.blob_stride as usize;
-    let n = x.blobs.len().min((1usize << 30) / stride.max(1)).max(1);
-    let path = engine.vault.path().to_path_buf();
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as usize);
-    let start = Instant::now();
-    let threads = 8;
-    let ok = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..threads)
-            .map(|t| {
-                let path = &path;
-                s.spawn(move || -> Option<()> {
-                    let f = open_direct(path)?;
-                    let mut buf = smoe_engine::store::aligned::AlignedBuf::new(stride)?;
-                    // Spread over the file so the reads are not sequential.
-                    for i in (t..n).step_by(threads) {
-                        let b = &x.blobs[(i * 7919 + seed) % x.blobs.len()];
-                        f.read_exact_at(buf.as_mut_slice(), b.offset).ok()?;
-                    }
-                    Some(())
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .all(|h| h.join().ok().flatten().is_some())
-    });
-    ok.then(|| (n * stride) as f64 / start.elapsed().as_secs_f64() / 1e9)
-}
-
-fn open_direct(path: &std::path::Path) -> Option<std::fs::File> {
-    smoe_engine::store::reader::open_direct(path).or_else(|| std::fs::File::open(path).ok())
+    let seed = crate::cmd::bench_disk::clock_seed();
+    crate::cmd::bench_disk::read_gbps(engine.vault.path(), x, 8, usize::MAX, 1 << 30, seed)
 }
 
 /// Host memory copy bandwidth with all cores (read + write counted), for the bandwidth bound.
@@ -476,6 +449,7 @@ fn decode(a: DecodeArgs) -> Result<()> {
         "io_bound_factors": factors.map(|f| serde_json::json!({"busy": f.busy, "precise": f.precise, "speed": f.speed})),
         "hit_rate": stats.as_ref().map(|s| s.hit_rate),
         "read_gb_per_s": stats.as_ref().map(|s| s.read_gb_per_s),
+        "read_depth": stats.as_ref().map(|s| s.read_depth),
         "cache_budget_bytes": stats.as_ref().map(|s| s.cache_budget),
         "io_wait_s": stats.as_ref().map(|s| s.total.io_wait_seconds),
         "read_buffers_allocated_inline": stats.as_ref().map(|s| s.buffer_allocs),
@@ -521,10 +495,11 @@ fn decode(a: DecodeArgs) -> Result<()> {
     }
     if let Some(f) = factors {
         println!(
-            "  = busy {:.0}% (time with a read in flight) × precise {:.0}% (bytes needed ÷ read) × speed {:.0}% (read rate while busy ÷ the disk bench's), over all repetitions",
+            "  = busy {:.0}% (time with a read in flight) × precise {:.0}% (bytes needed ÷ read) × speed {:.0}% (read rate while busy ÷ the disk bench's; {:.1} reads in flight on average), over all repetitions",
             100.0 * f.busy,
             100.0 * f.precise,
-            100.0 * f.speed
+            100.0 * f.speed,
+            stats.as_ref().map_or(0.0, |s| s.read_depth)
         );
     }
     Ok(())

@@ -1,4 +1,5 @@
 pub mod bench;
+pub mod bench_disk;
 pub mod bench_serve;
 pub mod chat;
 pub mod convert;

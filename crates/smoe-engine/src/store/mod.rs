@@ -133,8 +133,9 @@ pub struct StoreOptions {
     /// Read and update `M.smoe.profile`, and preload from it.
     pub profile: bool,
     pub read_threads: usize,
-    /// Bytes per piece of a blob read (rounded up to 16 KiB): the reader threads share one
-    /// blob's pieces, so one miss is read as fast as the device reads in parallel.
+    /// Bytes per piece of a blob read (rounded up to 16 KiB, at most the blob: `usize::MAX`
+    /// reads whole blobs): the reader threads share one blob's pieces, so one miss is read as
+    /// fast as the device reads in parallel (`--read-piece`).
     pub read_piece: usize,
     /// Test hook to inject read failures.
     pub fault: Option<FaultHook>,

@@ -76,6 +76,9 @@ pub struct StoreStats {
     pub lookahead_recall: Option<f64>,
     /// Bytes read ÷ time the reader threads were busy (aggregate throughput of the device).
     pub read_gb_per_s: f64,
+    /// Reads (pieces) in flight on average while at least one was: how deep a queue the disk
+    /// saw during that busy time (at most the reader threads).
+    pub read_depth: f64,
     pub cache_bytes: u64,
     /// Read buffers a reader had to allocate itself (no spare was ready), and the seconds it
     /// spent on that instead of reading.

@@ -45,7 +45,8 @@ impl Drop for StreamedStore {
 
 impl StreamedStore {
     /// `threads` readers share the reads, each blob in pieces of `piece` bytes (rounded to
-    /// 16 KiB); at most `guess_readers` of them read lookahead guesses at a time.
+    /// 16 KiB; at most the blob: `usize::MAX` reads whole blobs); at most `guess_readers` of
+    /// them read lookahead guesses at a time.
     pub fn new(
         vault: &Vault,
         budget: u64,
@@ -67,7 +68,7 @@ impl StreamedStore {
         let store = Arc::new(StreamedStore {
             vault: vault.clone(),
             n_experts: cfg.num_experts,
-            piece: piece.max(align).next_multiple_of(align),
+            piece: (piece.min(x.blob_stride as usize).max(align)).next_multiple_of(align),
             cache: Mutex::new(ExpertCache::new(budget, cfg.num_layers * cfg.num_experts)),
             stats: Mutex::new(stats),
             queue: Arc::new(ReadQueue::new(guess_readers(threads))),
@@ -375,7 +376,11 @@ impl StreamedStore {
     /// Stats so far, with totals and the cache's current size.
     pub fn stats(&self) -> StoreStats {
         let mut st = self.stats.lock().unwrap().clone();
-        let busy = self.busy.lock().unwrap().secs();
+        let (busy, depth) = {
+            let b = self.busy.lock().unwrap();
+            (b.secs(), b.mean_depth())
+        };
+        st.read_depth = depth;
         st.cache_bytes = self.cache.lock().unwrap().used();
         st.direct_io = self.reader.is_direct();
         (st.buffer_allocs, st.buffer_alloc_seconds) = self.pool.inline_allocs();
@@ -449,13 +454,19 @@ fn guess_readers(threads: usize) -> usize {
 }
 
 /// Reads in flight and the time they took: `ever` since the store opened (with `opened`, the
-/// disk's idle time), `ever - at_reset` since the last reset (read GB/s).
+/// disk's idle time), `ever - at_reset` since the last reset (read GB/s); and the reads in
+/// flight summed over time (`depth`), so that busy time can tell a deep queue from one read
+/// at a time.
 struct Busy {
     ever: f64,
     at_reset: f64,
     n: usize,
     since: Option<Instant>,
     opened: Instant,
+    /// ∫ reads in flight dt since the store opened, up to `last`, and at the last reset.
+    depth: f64,
+    depth_at_reset: f64,
+    last: Instant,
 }
 
 impl Busy {
@@ -466,11 +477,17 @@ impl Busy {
             n: 0,
             since: None,
             opened: Instant::now(),
+            depth: 0.0,
+            depth_at_reset: 0.0,
+            last: Instant::now(),
         }
     }
 
     /// A read started (`start`) or ended.
     fn change(&mut self, start: bool) {
+        let now = Instant::now();
+        self.depth += self.n as f64 * now.duration_since(self.last).as_secs_f64();
+        self.last = now;
         if start {
             if self.n == 0 {
                 self.since = Some(Instant::now());
@@ -491,8 +508,19 @@ impl Busy {
         self.ever - self.at_reset
     }
 
+    /// Reads in flight on average while at least one was, since the last `reset` (of the
+    /// reads that have finished; 0 before any).
+    fn mean_depth(&self) -> f64 {
+        let busy = self.secs();
+        match busy > 0.0 {
+            true => (self.depth - self.depth_at_reset) / busy,
+            false => 0.0,
+        }
+    }
+
     fn reset(&mut self) {
         self.at_reset = self.ever;
+        self.depth_at_reset = self.depth;
     }
 
     fn idle_s(&self) -> f64 {
@@ -542,5 +570,30 @@ mod tests {
         let i2 = b.idle_s();
         assert!(i2 - i1 >= 0.019, "idle {i1} -> {i2} with nothing in flight");
         assert!(b.ever >= 0.04);
+    }
+
+    /// Two reads for one span and one for the next: 1.5 reads in flight on average while
+    /// busy; the idle time between does not count, and a reset starts afresh.
+    #[test]
+    fn the_mean_depth_counts_reads_in_flight_while_busy() {
+        let mut b = Busy::new();
+        assert_eq!(b.mean_depth(), 0.0, "nothing read yet");
+        let nap = Duration::from_millis(30);
+        b.change(true);
+        b.change(true);
+        std::thread::sleep(nap);
+        b.change(false);
+        std::thread::sleep(nap);
+        b.change(false);
+        std::thread::sleep(nap); // idle: not in the mean
+        let d = b.mean_depth();
+        assert!((d - 1.5).abs() < 0.15, "mean depth {d}");
+        b.reset();
+        assert_eq!(b.mean_depth(), 0.0);
+        b.change(true);
+        std::thread::sleep(nap);
+        b.change(false);
+        let d = b.mean_depth();
+        assert!((d - 1.0).abs() < 0.05, "one read at a time: {d}");
     }
 }
