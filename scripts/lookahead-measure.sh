@@ -70,7 +70,8 @@ for block in re.split(r'^=== ', text, flags=re.M)[1:]:
     # buffers mapped and unmapped, the GPU waited for at the stops, all passes.
     v = d['vram_slots']
     print(f"{'':22s} io wait {d['io_wait_s']:.2f}  upload {v['upload_s']:.2f}  map {v.get('map_s', float('nan')):.2f}"
-          f"  gpu wait {v['gpu_wait_s']:.2f}  passes {v['pass_s']:.2f}  reads {d['read_gb_per_s']:.2f} GB/s")
+          f"  gpu wait {v['gpu_wait_s']:.2f}  passes {v['pass_s']:.2f}  reads {d['read_gb_per_s']:.2f} GB/s"
+          f"  placed ahead {v.get('placed_ahead', 0)} ({v.get('ahead_s', 0):.2f} s)")
     # The disk's idle time (no read in flight) in the passes, their GPU waits and their fills.
     i = v.get('disk_idle')
     if i:

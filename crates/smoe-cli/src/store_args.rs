@@ -107,7 +107,7 @@ impl StoreArgs {
                 0.0
             };
             eprintln!(
-                "[VRAM expert slots: {} per MoE layer ({:.2} GiB), {} hits, {} misses ({rate:.1}% hit rate); passes {:.3}s: GPU wait {:.3}s, filling slots {:.3}s (uploads {:.3}s, mapping {:.3}s), no disk read in flight for {:.3}s of them ({:.3}s in GPU waits, {:.3}s filling); {} router stops ({} found every expert in VRAM), {} MoE layers ran through without one; {} speculative passes started {} reads{}{}; filled {}; GPU clocks {}; the line below is the host store behind them]",
+                "[VRAM expert slots: {} per MoE layer ({:.2} GiB), {} hits, {} misses ({rate:.1}% hit rate); passes {:.3}s: GPU wait {:.3}s, filling slots {:.3}s (uploads {:.3}s, mapping {:.3}s), no disk read in flight for {:.3}s of them ({:.3}s in GPU waits, {:.3}s filling); {} router stops ({} found every expert in VRAM), {} MoE layers ran through without one; {} experts placed ahead at halts ({:.3}s); {} speculative passes started {} reads{}{}; filled {}; GPU clocks {}; the line below is the host store behind them]",
                 v.slots,
                 v.slot_bytes as f64 / (1u64 << 30) as f64,
                 v.hits,
@@ -123,6 +123,8 @@ impl StoreArgs {
                 v.stops,
                 v.hit_stops,
                 v.run_through,
+                v.placed_ahead,
+                v.ahead_s,
                 v.speculated,
                 v.spec_guesses,
                 match v.spec_recall {

@@ -149,6 +149,21 @@ fn gpu_tokens_do_not_depend_on_the_expert_cache() {
                 assert!((0.0..=1.0).contains(&spec) && (0.0..=1.0).contains(&ahead));
             }
             g.set_speculate(0);
+            // Guessed experts already in host memory placed in later layers' slots at each
+            // halt change which layers halt, never the tokens.
+            if budget == CacheBudget::Fraction(0.25) && mapped {
+                let placed = g.slot_stats().unwrap().placed_ahead;
+                g.set_fill_ahead(false);
+                let before = g.slot_stats().unwrap().placed_ahead;
+                assert_eq!(
+                    greedy(&e, &prompt, 24),
+                    want_tokens,
+                    "{name} {budget:?}, no fill-ahead"
+                );
+                assert_eq!(g.slot_stats().unwrap().placed_ahead, before);
+                g.set_fill_ahead(true);
+                eprintln!("{name} {budget:?}: {placed} experts placed ahead");
+            }
             eprintln!("{name} {budget:?}: {through} MoE layers ran through");
             let before = g.slot_stats().expect("streaming");
             let lp = e.logprobs(&prompt).unwrap().logprobs;
@@ -292,12 +307,11 @@ fn a_deeper_lookahead_reads_further_ahead_and_changes_no_token() {
     assert!(err.is_err_and(|e| e.to_string().contains("lookahead depth")));
 }
 
-/// Faults on the GPU streaming path: an I/O error while filling VRAM slots fails the request
-/// with the layer named, no slot keeps a failed expert, and the same engine then serves the
-/// request correctly (equal to the resident run); a corrupt blob is named by layer and expert.
 /// The routing oracle (a measurement of the I/O bound, `SMOE_ROUTE_TRACE`): a run records each
 /// decode MoE layer's choice; replaying that trace, the decoder reads the true experts of the
 /// next layers ahead instead of guessing — the same tokens, reads started ahead, none wasted.
+/// At each halt the blobs it has read for later layers go into their slots too (fill-ahead),
+/// so fewer layers halt than without that; the counts of misses stay those of reads.
 #[test]
 fn a_replayed_routing_trace_reads_ahead_and_changes_no_token() {
     if !have_gpu() {
@@ -322,23 +336,40 @@ fn a_replayed_routing_trace_reads_ahead_and_changes_no_token() {
         path: trace.clone(),
         depth: 3,
     };
-    let e = open_traced(
-        &v.0,
-        CacheBudget::Bytes(0),
-        DEFAULT_READ_PIECE,
-        true,
-        Some(replay),
-    );
-    let Model::Gpu(g) = &e.model else {
-        unreachable!()
+    let replayed = |fill_ahead: bool| {
+        let e = open_traced(
+            &v.0,
+            CacheBudget::Bytes(0),
+            DEFAULT_READ_PIECE,
+            true,
+            Some(replay.clone()),
+        );
+        let Model::Gpu(g) = &e.model else {
+            unreachable!()
+        };
+        g.set_fill_ahead(fill_ahead);
+        assert_eq!(greedy(&e, &prompt, 24), want, "fill-ahead {fill_ahead}");
+        let slots = g.slot_stats().unwrap();
+        let store = e.model.experts().stats().unwrap().total;
+        eprintln!(
+            "replay, fill-ahead {fill_ahead}: {} oracle reads, {} misses ({} from disk), {} stops, {} placed ahead",
+            slots.oracle_reads, slots.misses, store.misses, slots.stops, slots.placed_ahead
+        );
+        // No host cache: every VRAM miss, placed ahead or at a stop, is one disk read.
+        assert_eq!(slots.misses, store.misses, "fill-ahead {fill_ahead}");
+        (e, slots)
     };
-    assert_eq!(greedy(&e, &prompt, 24), want);
-    let slots = g.slot_stats().unwrap();
-    let store = e.model.experts().stats().unwrap().total;
-    eprintln!(
-        "replay: {} oracle reads, {} misses, {} stops",
-        slots.oracle_reads, slots.misses, slots.stops
+    let (_, without) = replayed(false);
+    assert_eq!(without.placed_ahead, 0);
+    let (e, slots) = replayed(true);
+    assert!(slots.placed_ahead > 0, "nothing placed ahead");
+    assert!(
+        slots.stops < without.stops,
+        "{} stops with fill-ahead, {} without",
+        slots.stops,
+        without.stops
     );
+    let store = e.model.experts().stats().unwrap().total;
     assert!(slots.oracle_reads > 0, "the oracle started no read");
     // Its guesses replace the decoder's own, and every one is used.
     assert_eq!(slots.spec_guesses, 0);
@@ -351,6 +382,9 @@ fn a_replayed_routing_trace_reads_ahead_and_changes_no_token() {
     std::fs::remove_file(&trace).ok();
 }
 
+/// Faults on the GPU streaming path: an I/O error while filling VRAM slots fails the request
+/// with the layer named, no slot keeps a failed expert, and the same engine then serves the
+/// request correctly (equal to the resident run); a corrupt blob is named by layer and expert.
 #[test]
 fn gpu_streaming_faults_fail_the_request_and_nothing_stays_cached() {
     use std::sync::atomic::{AtomicBool, Ordering};

@@ -838,6 +838,15 @@ impl GpuDecoder {
         }
     }
 
+    /// Streaming: whether a decode halt also copies into later MoE layers' slots the experts
+    /// they are expected to choose whose blobs are in host memory (`through`, the default;
+    /// `SMOE_GPU_FILL_AHEAD=0` starts with it off). For tests and measurements.
+    pub fn set_fill_ahead(&self, on: bool) {
+        if let Some(th) = self.streaming.as_ref().and_then(|s| s.through.as_ref()) {
+            th.fill_ahead.store(on, Ordering::Relaxed);
+        }
+    }
+
     /// Streaming: how many MoE layers after a halted decode layer a speculative pass looks
     /// ahead while that layer's misses are read (`through`; 0 turns it off; the default is 2 on
     /// a discrete GPU, 0 on unified memory; `SMOE_GPU_SPECULATE` sets it at load). For tests

@@ -374,10 +374,30 @@ impl Experts {
         }
     }
 
-    /// Counts uses of `experts` of `layer` for the profile (what `for_each` does itself).
+    /// Counts uses of `experts` of `layer` for the profile (what `for_each` does itself), and
+    /// settles the blobs `take_ready` handed out for it against them.
     pub fn note_uses(&self, layer: usize, experts: &[usize]) {
         for &e in experts {
             self.usage[layer * self.n_experts + e].fetch_add(1, Ordering::Relaxed);
+        }
+        if let Source::Streamed(s) = &self.source {
+            s.settle(layer, experts);
+        }
+    }
+
+    /// Hands `f(expert, blob)` each of `experts` of `layer` whose blob is in memory now (cached
+    /// or read ahead completely), without waiting or reading, and returns those handed: for
+    /// placing blobs before the layer chooses. `note_uses` counts them once it has. Nothing
+    /// when the experts are resident.
+    pub fn take_ready(
+        &self,
+        layer: usize,
+        experts: &[usize],
+        f: &mut dyn FnMut(usize, &[u8]),
+    ) -> Vec<usize> {
+        match &self.source {
+            Source::Streamed(s) => s.take_ready(layer, &self.with_blobs(layer, experts), f),
+            Source::Mapped => vec![],
         }
     }
 

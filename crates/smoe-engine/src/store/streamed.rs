@@ -35,6 +35,19 @@ pub struct StreamedStore {
     /// Lookahead guesses (per later layer) to start once the next `for_each_blob` has queued
     /// its own misses.
     deferred: Mutex<Vec<(usize, Vec<(usize, usize)>)>>,
+    /// Blobs handed out ahead of their layer's choice (`take_ready`), by expert key, until
+    /// `settle` counts them against what the layer used.
+    placed: Mutex<HashMap<usize, Placed>>,
+}
+
+/// A blob `take_ready` handed out before its layer chose: what to count once it has.
+#[derive(Debug, Clone, Copy)]
+enum Placed {
+    /// From the cache: a hit if used.
+    Cached,
+    /// A read started ahead (`guess`: as a lookahead guess) and done: a miss read ahead if
+    /// used, a wasted read if not.
+    Read { guess: bool, secs: f64 },
 }
 
 impl Drop for StreamedStore {
@@ -82,6 +95,7 @@ impl StreamedStore {
             busy: Mutex::new(Busy::new()),
             prefetched: Mutex::new(HashMap::new()),
             deferred: Mutex::new(vec![]),
+            placed: Mutex::new(HashMap::new()),
         });
         let pool = Arc::downgrade(&store.pool);
         std::thread::Builder::new()
@@ -337,6 +351,103 @@ impl StreamedStore {
         ls.io_wait_seconds += wait;
         ls.compute_seconds += compute;
         first_err.map_or(Ok(()), Err)
+    }
+
+    /// Hands `f` each of `experts` (with their blob indices) of `layer` whose blob is in memory
+    /// now — cached, or read ahead completely — without waiting, reading or dropping anything,
+    /// and returns those it handed. For a caller that places blobs before their layer chooses
+    /// (the GPU's slots, filled ahead at a halt): a read taken so is cached like one the layer
+    /// asked for, and `settle` counts it (used or wasted) once the layer has chosen. A read
+    /// ahead that failed is dropped here unhanded: the layer reads that expert afresh if it
+    /// needs it, and fails there with the error.
+    pub fn take_ready(
+        &self,
+        layer: usize,
+        experts: &[(usize, usize)],
+        f: &mut dyn FnMut(usize, &[u8]),
+    ) -> Vec<usize> {
+        let mut ready = vec![];
+        {
+            let cache = self.cache.lock().unwrap();
+            let mut pre = self.prefetched.lock().unwrap();
+            for &(e, _) in experts {
+                let key = layer * self.n_experts + e;
+                if cache.contains(key) {
+                    ready.push((e, key, None));
+                } else if pre.get(&key).is_some_and(|r| r.is_done()) {
+                    ready.push((e, key, pre.remove(&key)));
+                }
+            }
+        }
+        let mut handed = vec![];
+        for (e, key, read) in ready {
+            let (buf, placed) = match read {
+                None => match self.cache.lock().unwrap().touch(key) {
+                    Some(buf) => (buf, Placed::Cached),
+                    None => continue, // evicted meanwhile
+                },
+                Some(read) => match read.wait() {
+                    (_, Ok(buf), secs) => {
+                        let buf = Arc::new(buf);
+                        self.insert(key, buf.clone(), false);
+                        (
+                            buf,
+                            Placed::Read {
+                                guess: read.guess,
+                                secs,
+                            },
+                        )
+                    }
+                    (_, Err(_), _) => continue,
+                },
+            };
+            f(e, buf.as_slice());
+            self.placed.lock().unwrap().insert(key, placed);
+            handed.push(e);
+        }
+        handed
+    }
+
+    /// Counts the blobs of `layer` that `take_ready` handed out, now that the layer has chosen
+    /// `used`: those used as the hits or the misses read ahead they were, the rest as wasted
+    /// reads (from the cache: nothing).
+    pub fn settle(&self, layer: usize, used: &[usize]) {
+        let range = self.keys_of(layer);
+        let settled: Vec<(usize, Placed)> = {
+            let mut placed = self.placed.lock().unwrap();
+            if placed.is_empty() {
+                return;
+            }
+            let keys: Vec<usize> = placed
+                .keys()
+                .copied()
+                .filter(|k| range.contains(k))
+                .collect();
+            keys.into_iter()
+                .map(|k| (k, placed.remove(&k).unwrap()))
+                .collect()
+        };
+        if settled.is_empty() {
+            return;
+        }
+        let mut st = self.stats.lock().unwrap();
+        let ls = &mut st.per_layer[layer];
+        for (key, p) in settled {
+            let was_used = used.contains(&(key - range.start));
+            match (p, was_used) {
+                (Placed::Cached, true) => ls.hits += 1,
+                (Placed::Cached, false) => {}
+                (Placed::Read { guess, secs }, true) => {
+                    ls.misses += 1;
+                    ls.prefetched += guess as u64;
+                    ls.read_seconds += secs;
+                }
+                (Placed::Read { secs, .. }, false) => {
+                    ls.prefetch_wasted += 1;
+                    ls.read_seconds += secs;
+                }
+            }
+        }
     }
 
     /// Drops the lookahead guesses for `layer` that no reader has started: it ran without

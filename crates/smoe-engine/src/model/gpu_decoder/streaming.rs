@@ -67,6 +67,9 @@ pub(super) struct Streaming {
     pub(super) spec_scores: Mutex<Recall>,
     /// Reads a replayed routing trace started (`oracle`).
     pub(super) oracle_reads: AtomicU64,
+    /// Experts placed in later layers' slots at halts, and the time it took (`fill_ahead`).
+    placed_ahead: AtomicU64,
+    ahead_ns: AtomicU64,
     /// Decode batches run through the layers whose experts sit in VRAM (`through`); `None`
     /// where its buffers could not be made.
     pub(super) through: Option<Through>,
@@ -104,6 +107,12 @@ pub struct SlotStats {
     /// Reads started from a replayed routing trace (`SMOE_ROUTE_TRACE=replay:…`, a
     /// measurement): the true experts of the next MoE layers, in place of guesses.
     pub oracle_reads: u64,
+    /// Experts copied at a halt into the slots of later MoE layers expected to choose them
+    /// (a replayed trace's, or the guesses'), from host memory (cached or read ahead), so those
+    /// layers could run through (`SMOE_GPU_FILL_AHEAD=0` turns it off); and the seconds it
+    /// took, part of `fill_s`. A layer that then runs from such a slot counts it as a hit.
+    pub placed_ahead: u64,
+    pub ahead_s: f64,
     /// Waiting for the GPU to reach a router stop (its compute, and the submission's latency).
     pub gpu_wait_s: f64,
     /// Filling slots: reads waited for, plus the uploads below.
@@ -145,7 +154,21 @@ pub(super) struct SlotTable {
     slot_of: Vec<Vec<Option<u32>>>,
     /// Per layer: slot → (expert held, last use).
     held: Vec<Vec<(Option<usize>, u64)>>,
+    /// Per layer: the slots `fill_ahead` filled since the layer last ran. A use of one is a
+    /// miss all the same (its blob was brought in for it), counted when the layer runs.
+    placed: Vec<Vec<bool>>,
     clock: u64,
+}
+
+impl SlotTable {
+    /// MoE layer `l` runs with the distinct experts `used`: how many of them sit in slots
+    /// `fill_ahead` filled for it (misses, brought in ahead of the stop). Clears its marks.
+    fn settle_placed(&mut self, l: usize, used: &[usize]) -> usize {
+        let placed = std::mem::replace(&mut self.placed[l], vec![false; self.held[l].len()]);
+        (used.iter())
+            .filter(|&&e| self.slot_of[l][e].is_some_and(|s| placed[s as usize]))
+            .count()
+    }
 }
 
 /// The distinct values of `ids`, ascending.
@@ -187,6 +210,9 @@ impl Streaming {
                 held: (0..layers)
                     .map(|l| vec![(None, 0); if is_moe(l) { slots } else { 0 }])
                     .collect(),
+                placed: (0..layers)
+                    .map(|l| vec![false; if is_moe(l) { slots } else { 0 }])
+                    .collect(),
                 clock: 0,
             }),
             ids: Readback::new(ctx, 4 * (T_MAX * k) as u64),
@@ -209,6 +235,8 @@ impl Streaming {
             spec_guesses: AtomicU64::new(0),
             spec_scores: Mutex::default(),
             oracle_reads: AtomicU64::new(0),
+            placed_ahead: AtomicU64::new(0),
+            ahead_ns: AtomicU64::new(0),
             through: None,
             clocks: None,
         }
@@ -346,6 +374,7 @@ impl GpuDecoder {
         let mut t = st.table.lock().unwrap_or_else(|e| e.into_inner());
         t.clock += 1;
         let now = t.clock;
+        let placed = t.settle_placed(l, &distinct);
         let SlotTable { slot_of, held, .. } = &mut *t;
         let (slot_of, held) = (&mut slot_of[l], &mut held[l]);
         let mut misses = vec![];
@@ -367,9 +396,9 @@ impl GpuDecoder {
             held[victim] = (Some(e), now);
             slot_of[e] = Some(victim as u32);
         }
-        st.hits
-            .fetch_add((distinct.len() - misses.len()) as u64, Ordering::Relaxed);
-        st.misses.fetch_add(misses.len() as u64, Ordering::Relaxed);
+        let hits = distinct.len() - misses.len() - placed;
+        st.hits.fetch_add(hits as u64, Ordering::Relaxed);
+        (st.misses).fetch_add((misses.len() + placed) as u64, Ordering::Relaxed);
         // A failed fill leaves no slot claiming the missed experts.
         let forget = |slot_of: &mut Vec<Option<u32>>, held: &mut Vec<(Option<usize>, u64)>| {
             for &e in &misses {
@@ -459,6 +488,95 @@ impl GpuDecoder {
         Ok(used.iter().map(|&e| slot_of[e].expect("filled")).collect())
     }
 
+    /// At a halt, with the GPU idle: copies into the VRAM slots of later MoE layers the experts
+    /// they are expected to choose (`wants`: layer and ids, likeliest first) whose blobs are in
+    /// host memory already (cached, or read ahead completely), so that those layers find them
+    /// and run through instead of halting for the copy. Each takes its layer's empty or least
+    /// recently used slots, never one holding an expert `wants` names there or one placed so
+    /// before (kept until its layer runs: evicted, a placed blob would be read twice where
+    /// there is no host cache); nothing waits for a read.
+    /// The store counts what it handed out once the layer has chosen (`Experts::note_uses`).
+    pub(super) fn fill_ahead(
+        &self,
+        st: &Streaming,
+        wants: &[(usize, Vec<u32>)],
+    ) -> Result<(), EngineError> {
+        let t0 = Instant::now();
+        let mut placed = 0;
+        for (m, want) in wants {
+            let missing = st.missing(*m, want);
+            let pending = self.experts.pending(*m, &missing);
+            let ready: Vec<usize> = (missing.into_iter())
+                .filter(|e| !pending.contains(e))
+                .collect();
+            let Some(slots) = self.weights.expert_slots(*m).filter(|_| !ready.is_empty()) else {
+                continue;
+            };
+            let stride = slots.stride;
+            let mut t = st.table.lock().unwrap_or_else(|e| e.into_inner());
+            t.clock += 1;
+            let now = t.clock;
+            let SlotTable {
+                slot_of,
+                held,
+                placed: marks,
+                ..
+            } = &mut *t;
+            let (slot_of, held, marks) = (&mut slot_of[*m], &mut held[*m], &mut marks[*m]);
+            let wanted = |e: Option<usize>| e.is_some_and(|e| want.contains(&(e as u32)));
+            let mut to = vec![];
+            for &e in &ready {
+                let Some(victim) = (0..held.len())
+                    .filter(|&s| held[s].1 != now && !marks[s] && !wanted(held[s].0))
+                    .min_by_key(|&s| (held[s].0.is_some(), held[s].1))
+                else {
+                    break;
+                };
+                if let Some(old) = held[victim].0 {
+                    slot_of[old] = None;
+                }
+                held[victim] = (Some(e), now);
+                slot_of[e] = Some(victim as u32);
+                marks[victim] = true;
+                to.push((e, victim as u64 * stride));
+            }
+            let forget =
+                |slot_of: &mut Vec<Option<u32>>, held: &mut Vec<(Option<usize>, u64)>, e: usize| {
+                    if let Some(s) = slot_of[e].take() {
+                        held[s as usize] = (None, 0);
+                    }
+                };
+            let writer = match SlotWriter::open(&self.ctx, &slots.buf, slots.mappable, st.lands) {
+                Ok(w) => w,
+                Err(err) => {
+                    to.iter().for_each(|&(e, _)| forget(slot_of, held, e));
+                    self.sync_table(st, *m, slot_of);
+                    return Err(err);
+                }
+            };
+            let experts: Vec<usize> = to.iter().map(|t| t.0).collect();
+            let handed = self.experts.take_ready(*m, &experts, &mut |e, bytes| {
+                let Some(&(_, base)) = to.iter().find(|t| t.0 == e) else {
+                    return;
+                };
+                use rayon::prelude::*;
+                (bytes.par_chunks(UPLOAD_PIECE).enumerate())
+                    .for_each(|(i, piece)| writer.write((base, stride), i * UPLOAD_PIECE, piece));
+            });
+            writer.finish();
+            // Evicted from the cache or failed meanwhile: no slot claims it.
+            for &e in experts.iter().filter(|e| !handed.contains(e)) {
+                forget(slot_of, held, e);
+            }
+            self.sync_table(st, *m, slot_of);
+            placed += handed.len();
+        }
+        st.placed_ahead.fetch_add(placed as u64, Ordering::Relaxed);
+        st.ahead_ns
+            .fetch_add(nanos(t0.elapsed()), Ordering::Relaxed);
+        Ok(())
+    }
+
     /// The GPU's copy of layer `l`'s slot table (`through`) after the host's changed.
     fn sync_table(&self, st: &Streaming, l: usize, slot_of: &[Option<u32>]) {
         if let Some(th) = &st.through {
@@ -483,6 +601,10 @@ impl GpuDecoder {
         let mut t = st.table.lock().unwrap_or_else(|e| e.into_inner());
         t.clock += 1;
         let now = t.clock;
+        let placed = t.settle_placed(
+            l,
+            &(experts.iter().map(|&e| e as usize).collect::<Vec<_>>()),
+        );
         let SlotTable { slot_of, held, .. } = &mut *t;
         for &e in &experts {
             let Some(s) = slot_of[l].get(e as usize).copied().flatten() else {
@@ -492,7 +614,9 @@ impl GpuDecoder {
             };
             held[l][s as usize].1 = now;
         }
-        st.hits.fetch_add(experts.len() as u64, Ordering::Relaxed);
+        st.hits
+            .fetch_add((experts.len() - placed) as u64, Ordering::Relaxed);
+        st.misses.fetch_add(placed as u64, Ordering::Relaxed);
         st.through_layers.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -549,6 +673,8 @@ impl GpuDecoder {
                 .unwrap_or_else(|e| e.into_inner())
                 .share(),
             oracle_reads: s.oracle_reads.load(Ordering::Relaxed),
+            placed_ahead: s.placed_ahead.load(Ordering::Relaxed),
+            ahead_s: secs(&s.ahead_ns),
             gpu_wait_s: secs(&s.gpu_wait_ns),
             fill_s: secs(&s.fill_ns),
             upload_s: secs(&s.upload_ns),
@@ -576,6 +702,8 @@ impl GpuDecoder {
                 &s.spec_runs,
                 &s.spec_guesses,
                 &s.oracle_reads,
+                &s.placed_ahead,
+                &s.ahead_ns,
                 &s.gpu_wait_ns,
                 &s.fill_ns,
                 &s.upload_ns,

@@ -83,6 +83,9 @@ pub(super) struct Through {
     readback: Readback,
     /// Off: every MoE layer stops for the host, as prompt batches do (`set_run_through`).
     pub(super) on: AtomicBool,
+    /// At a halt, copy into later layers' slots the experts expected there whose blobs are
+    /// in host memory (`fill_ahead`; `SMOE_GPU_FILL_AHEAD=0` or `set_fill_ahead` turn it off).
+    pub(super) fill_ahead: AtomicBool,
     /// A routing trace being recorded or replayed (`oracle`).
     oracle: Option<Oracle>,
 }
@@ -191,6 +194,7 @@ impl Through {
             spec_readback: Readback::new(ctx, chosen_bytes(cfg)),
             depth: AtomicUsize::new(spec_depth),
             on: AtomicBool::new(std::env::var("SMOE_GPU_SLOT_TABLE").as_deref() != Ok("0")),
+            fill_ahead: AtomicBool::new(std::env::var("SMOE_GPU_FILL_AHEAD").as_deref() != Ok("0")),
             oracle,
         })
     }
@@ -415,6 +419,19 @@ impl GpuDecoder {
             // The lookahead's guesses beyond the layers a speculative pass shows.
             let deep = &ahead[spec.as_ref().map_or(0, |s| s.layers.len()).min(ahead.len())..];
             self.experts.note_uses(l, &used);
+            // What later layers are expected to choose: the ones already in host memory go
+            // into their slots at this halt too, so those layers need not halt for a copy.
+            let wants: Vec<(usize, Vec<u32>)> =
+                match (th.fill_ahead.load(Ordering::Relaxed), &th.oracle) {
+                    (false, _) => vec![],
+                    (true, Some(o)) if th.replays() => {
+                        o.ahead().into_iter().take_while(|e| e.0 != l).collect()
+                    }
+                    (true, _) => (guesses.iter())
+                        .filter(|g| g.0 != l)
+                        .map(|g| (g.0, g.1.clone()))
+                        .collect(),
+                };
             // The resumed window is recorded while the slots fill (it reads the ids written
             // below when it runs). The fill maps this layer's slots, which a speculative pass
             // reads: it waits for that pass anyway, and starts its guesses' reads first.
@@ -429,7 +446,9 @@ impl GpuDecoder {
                     for (m, guess) in deep {
                         self.prefetch_guess(st, *m, guess);
                     }
-                    Ok::<_, EngineError>((spec, self.fill_stop(st, l, &ids, None)?))
+                    let slots = self.fill_stop(st, l, &ids, None)?;
+                    self.fill_ahead(st, &wants)?;
+                    Ok::<_, EngineError>((spec, slots))
                 },
             );
             let (spec, slots) = filled?;
