@@ -32,7 +32,8 @@ pub(crate) enum SlotWriter {
 
 impl SlotWriter {
     /// A writer for `buf`: mapped when `mappable` (waits for the GPU to be done with it: at a
-    /// router stop it already is), else through the queue. `lands`: disk reads may land in the
+    /// router stop it already is, and a buffer no submission in flight uses maps at once),
+    /// else through the queue. `lands`: disk reads may land in the
     /// mapping itself (`target`; only where it is ordinary host memory, i.e. unified memory —
     /// a discrete GPU's BAR mapping takes no DMA and reads back at a crawl).
     pub fn open(
@@ -53,10 +54,17 @@ impl SlotWriter {
         slice.map_async(wgpu::MapMode::Write, move |r| {
             let _ = tx.send(r);
         });
-        let _ = ctx.device.poll(wgpu::PollType::wait_indefinitely());
-        rx.recv()
-            .map_err(|e| fail(e.to_string()))?
-            .map_err(|e| fail(e.to_string()))?;
+        // A buffer that no submission still in flight uses maps on this poll, without
+        // waiting for those that are (fill-ahead runs while the GPU works on other layers).
+        let _ = ctx.device.poll(wgpu::PollType::Poll);
+        let mapped = match rx.try_recv() {
+            Ok(r) => r,
+            Err(_) => {
+                let _ = ctx.device.poll(wgpu::PollType::wait_indefinitely());
+                rx.recv().map_err(|e| fail(e.to_string()))?
+            }
+        };
+        mapped.map_err(|e| fail(e.to_string()))?;
         let mut view = slice
             .get_mapped_range_mut()
             .map_err(|e| fail(e.to_string()))?;

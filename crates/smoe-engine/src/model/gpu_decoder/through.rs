@@ -328,11 +328,15 @@ impl GpuDecoder {
             args[(from / WINDOW) % 2].upload(q);
             q.submit([enc.finish()]);
             *host += recorded + submitting.elapsed();
-            // The next window is recorded while the GPU runs this one.
+            // The next window is recorded while the GPU runs this one, and the experts that
+            // layers outside it are expected to choose go into their slots where their blobs
+            // are in host memory (their slot buffers are not in flight).
             let ahead = match following.take() {
                 Some(a) => Some(a),
                 None => (to < layers.len()).then(|| record(&mut args, to, false)),
             };
+            let outside = |m: usize| !(from..to).contains(&m);
+            self.fill_ahead(st, &self.expected(th, &guesses, outside))?;
             let waiting = Instant::now();
             let idle_waiting = self.disk_idle();
             let guessed = 4 * (st.lookahead.depth * row) as u64;
@@ -419,19 +423,10 @@ impl GpuDecoder {
             // The lookahead's guesses beyond the layers a speculative pass shows.
             let deep = &ahead[spec.as_ref().map_or(0, |s| s.layers.len()).min(ahead.len())..];
             self.experts.note_uses(l, &used);
-            // What later layers are expected to choose: the ones already in host memory go
-            // into their slots at this halt too, so those layers need not halt for a copy.
-            let wants: Vec<(usize, Vec<u32>)> =
-                match (th.fill_ahead.load(Ordering::Relaxed), &th.oracle) {
-                    (false, _) => vec![],
-                    (true, Some(o)) if th.replays() => {
-                        o.ahead().into_iter().take_while(|e| e.0 != l).collect()
-                    }
-                    (true, _) => (guesses.iter())
-                        .filter(|g| g.0 != l)
-                        .map(|g| (g.0, g.1.clone()))
-                        .collect(),
-                };
+            // What the rest of the resumed window's layers are expected to choose: the ones
+            // already in host memory go into their slots at this halt too, so those layers need
+            // not halt for a copy. (Later layers' are placed while the resumed window runs.)
+            let wants = self.expected(th, &guesses, |m| m > l && m < to);
             // The resumed window is recorded while the slots fill (it reads the ids written
             // below when it runs). The fill maps this layer's slots, which a speculative pass
             // reads: it waits for that pass anyway, and starts its guesses' reads first.
@@ -531,6 +526,27 @@ impl GpuDecoder {
             index,
             layers: ahead,
         })
+    }
+
+    /// The experts the MoE layers that `keep` names are expected to choose, for `fill_ahead`:
+    /// a replayed trace's next ones (up to a layer's next use), else the guesses not yet scored
+    /// (the lookahead's and the speculative passes'). Nothing when fill-ahead is off.
+    fn expected(
+        &self,
+        th: &Through,
+        guesses: &[(usize, Vec<u32>, bool)],
+        keep: impl Fn(usize) -> bool,
+    ) -> Vec<(usize, Vec<u32>)> {
+        match (th.fill_ahead.load(Ordering::Relaxed), &th.oracle) {
+            (false, _) => vec![],
+            (true, Some(o)) if th.replays() => {
+                o.ahead().into_iter().filter(|e| keep(e.0)).collect()
+            }
+            (true, _) => (guesses.iter())
+                .filter(|g| keep(g.0))
+                .map(|g| (g.0, g.1.clone()))
+                .collect(),
+        }
     }
 
     /// Replaying a routing trace: starts reading the experts that the trace's next MoE layers
