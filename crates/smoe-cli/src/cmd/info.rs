@@ -1,5 +1,6 @@
 //! `smoe info`: what this machine offers smoe: CPU threads, and the GPU adapter that
-//! `--backend gpu|auto` would use, with its features and limits (or why there is none).
+//! `--backend gpu|auto` would use, with its features, limits and free memory (or why there is
+//! none).
 
 use anyhow::Result;
 use smoe_compute::gpu::kernel_names;
@@ -15,6 +16,11 @@ pub fn run(_a: Args) -> Result<()> {
     match gpu::context() {
         Ok(ctx) => {
             println!("{}", ctx.info());
+            // What `--vram-cache auto` and a resident load stay within.
+            match ctx.memory_room() {
+                Ok(room) => println!("memory: {room}"),
+                Err(why) => println!("memory: free amount unknown ({why})"),
+            }
             println!("kernels: {}", kernel_names().join(" "));
         }
         // Not an error: the CPU backend still works, and `auto` will use it.

@@ -23,6 +23,7 @@ mod kernels;
 mod launch;
 mod matmul;
 mod matvec;
+mod memory;
 mod ops;
 mod parts;
 mod router;
@@ -44,6 +45,7 @@ pub use matvec::{
     Fuse, Grouped, MatVec, MatVecDesc, MatVecTuning, NextRoute, Q4Decode, RouteTail, SumTail,
     WeightRef, NT_MAX,
 };
+pub use memory::{MemoryRoom, MemorySource};
 pub use ops::{Argmax, EltOp, Eltwise, RmsNorm, WeightedSum};
 pub use router::Router;
 pub use slot_map::{SlotGuess, SlotMap, SlotMapBufs, NO_SLOT};

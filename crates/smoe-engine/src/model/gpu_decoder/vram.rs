@@ -5,10 +5,11 @@
 //! Why the free memory matters: NVIDIA's Vulkan driver does not fail an allocation beyond it
 //! but places the buffer in host memory, where every expert product then reads it over PCIe
 //! (an H100 with 9 GiB free decoded 12 tok/s from 14 GiB of slots at an 86 % hit rate), and wgpu
-//! has no query for it; NVIDIA's CUDA driver answers (`nvidia_memory`).
+//! has no query for it; Vulkan's memory budget or NVIDIA's CUDA driver answers
+//! (`GpuContext::memory_room`).
 
 use crate::store::{CacheBudget, StoreOptions};
-use smoe_compute::gpu::{nvidia_memory, GpuContext};
+use smoe_compute::gpu::GpuContext;
 use smoe_vault::Vault;
 
 /// Room left for the KV cache and activations beside the weights and slots.
@@ -20,21 +21,21 @@ fn gib(bytes: u64) -> String {
 }
 
 /// Bytes of GPU memory that routed experts may take: the device's free memory less the dense
-/// weights still to upload and `HEADROOM`, where the device says how much is free (NVIDIA's);
-/// `None` elsewhere. (Each query retains and releases the device's CUDA context, which creates
-/// and destroys it: 0.24 s on an H100 with driver 580; a load asks once.)
+/// weights still to upload and `HEADROOM`, where the driver says how much is free
+/// (`GpuContext::memory_room`: Vulkan's memory budget, else NVIDIA's CUDA driver); `None`
+/// elsewhere. (A load asks once: the CUDA query retains the device's context.)
 pub(super) fn room(ctx: &GpuContext, vault: &Vault) -> Option<u64> {
     let asked = std::time::Instant::now();
-    let (free, _total) = nvidia_memory(&ctx.info().adapter)
+    let room = ctx
+        .memory_room()
         .map_err(|why| tracing::debug!("GPU backend: free memory unknown ({why})"))
         .ok()?;
     tracing::debug!(
-        "GPU backend: {} free (asked the CUDA driver in {:.1} ms)",
-        gib(free),
+        "GPU backend: {room}, asked in {:.2} ms",
         asked.elapsed().as_secs_f64() * 1e3
     );
     let dense: u64 = vault.header.tensors.iter().map(|t| t.length).sum();
-    Some(free.saturating_sub(dense + HEADROOM))
+    Some(room.free.saturating_sub(dense + HEADROOM))
 }
 
 /// The VRAM budget `--vram-cache` gave, if one was given (`auto`, or none, follows
