@@ -596,19 +596,23 @@ impl Busy {
 
     /// A read started (`start`) or ended.
     fn change(&mut self, start: bool) {
-        let now = Instant::now();
+        self.change_at(start, Instant::now());
+    }
+
+    /// `change` at `now` (tests give their own instants).
+    fn change_at(&mut self, start: bool, now: Instant) {
         self.depth += self.n as f64 * now.duration_since(self.last).as_secs_f64();
         self.last = now;
         if start {
             if self.n == 0 {
-                self.since = Some(Instant::now());
+                self.since = Some(now);
             }
             self.n += 1;
         } else {
             self.n -= 1;
             if self.n == 0 {
                 if let Some(t) = self.since.take() {
-                    self.ever += t.elapsed().as_secs_f64();
+                    self.ever += now.duration_since(t).as_secs_f64();
                 }
             }
         }
@@ -629,7 +633,21 @@ impl Busy {
         }
     }
 
+    /// Starts the counts since the last reset afresh. A busy stretch still running is split
+    /// here, so that its part before the reset is not counted after it (a disk kept busy
+    /// across a warm-up's end would otherwise count busy longer than the run).
     fn reset(&mut self) {
+        self.reset_at(Instant::now());
+    }
+
+    /// `reset` at `now`.
+    fn reset_at(&mut self, now: Instant) {
+        if let Some(t) = self.since.as_mut() {
+            self.ever += now.duration_since(*t).as_secs_f64();
+            *t = now;
+        }
+        self.depth += self.n as f64 * now.duration_since(self.last).as_secs_f64();
+        self.last = now;
         self.at_reset = self.ever;
         self.depth_at_reset = self.depth;
     }
@@ -689,22 +707,43 @@ mod tests {
     fn the_mean_depth_counts_reads_in_flight_while_busy() {
         let mut b = Busy::new();
         assert_eq!(b.mean_depth(), 0.0, "nothing read yet");
-        let nap = Duration::from_millis(30);
-        b.change(true);
-        b.change(true);
-        std::thread::sleep(nap);
-        b.change(false);
-        std::thread::sleep(nap);
-        b.change(false);
-        std::thread::sleep(nap); // idle: not in the mean
-        let d = b.mean_depth();
-        assert!((d - 1.5).abs() < 0.15, "mean depth {d}");
-        b.reset();
+        let ms = |n: u64| Duration::from_millis(n);
+        let t = b.last;
+        b.change_at(true, t);
+        b.change_at(true, t);
+        b.change_at(false, t + ms(30));
+        b.change_at(false, t + ms(60));
+        // Idle from 60 to 100 ms: not in the mean.
+        assert!((b.mean_depth() - 1.5).abs() < 1e-9, "{}", b.mean_depth());
+        assert!((b.secs() - 0.06).abs() < 1e-9, "{}", b.secs());
+        b.reset_at(t + ms(100));
         assert_eq!(b.mean_depth(), 0.0);
-        b.change(true);
-        std::thread::sleep(nap);
-        b.change(false);
-        let d = b.mean_depth();
-        assert!((d - 1.0).abs() < 0.05, "one read at a time: {d}");
+        b.change_at(true, t + ms(100));
+        b.change_at(false, t + ms(130));
+        assert!((b.mean_depth() - 1.0).abs() < 1e-9, "one read at a time");
+    }
+
+    /// A read in flight across a reset counts after it only for its time after it.
+    #[test]
+    fn a_read_spanning_a_reset_counts_only_its_part_after_it() {
+        let mut b = Busy::new();
+        let ms = |n: u64| Duration::from_millis(n);
+        let t = b.last;
+        b.change_at(true, t);
+        b.change_at(true, t);
+        b.reset_at(t + ms(150));
+        b.change_at(false, t + ms(170));
+        b.change_at(false, t + ms(170));
+        assert!(
+            (b.secs() - 0.02).abs() < 1e-9,
+            "busy {} s after the reset",
+            b.secs()
+        );
+        assert!(
+            (b.mean_depth() - 2.0).abs() < 1e-9,
+            "depth {}",
+            b.mean_depth()
+        );
+        assert!((b.ever - 0.17).abs() < 1e-9, "busy since open {}", b.ever);
     }
 }
