@@ -67,7 +67,8 @@ pub(super) struct Streaming {
     pub(super) spec_scores: Mutex<Recall>,
     /// Reads a replayed routing trace started (`oracle`).
     pub(super) oracle_reads: AtomicU64,
-    /// Experts placed in later layers' slots at halts, and the time it took (`fill_ahead`).
+    /// Experts placed in later layers' slots ahead of their use, and the time it took
+    /// (`fill_ahead`).
     placed_ahead: AtomicU64,
     ahead_ns: AtomicU64,
     /// Decode batches run through the layers whose experts sit in VRAM (`through`); `None`
@@ -107,10 +108,11 @@ pub struct SlotStats {
     /// Reads started from a replayed routing trace (`SMOE_ROUTE_TRACE=replay:…`, a
     /// measurement): the true experts of the next MoE layers, in place of guesses.
     pub oracle_reads: u64,
-    /// Experts copied at a halt into the slots of later MoE layers expected to choose them
-    /// (a replayed trace's, or the guesses'), from host memory (cached or read ahead), so those
-    /// layers could run through (`SMOE_GPU_FILL_AHEAD=0` turns it off); and the seconds it
-    /// took, part of `fill_s`. A layer that then runs from such a slot counts it as a hit.
+    /// Experts copied into the slots of later MoE layers expected to choose them (a replayed
+    /// trace's, or the guesses'), from host memory (cached or read ahead), at halts and while
+    /// the GPU runs other layers, so those layers could run through (`SMOE_GPU_FILL_AHEAD=0`
+    /// turns it off); and the seconds it took (at halts, part of `fill_s`). A layer that then
+    /// runs with such a slot counts a miss for it (its blob was brought in for that use).
     pub placed_ahead: u64,
     pub ahead_s: f64,
     /// Waiting for the GPU to reach a router stop (its compute, and the submission's latency).
@@ -189,6 +191,14 @@ const SKIP_SLOT: u32 = u32::MAX;
 /// 128 KiB pieces copy in 0.32–0.39 s what 512 KiB pieces copy in 0.43–0.50 s and 2 MiB ones in
 /// 0.80–0.86 s; 64 KiB ones are no faster than 128.
 const UPLOAD_PIECE: usize = 128 << 10;
+
+/// Copies a whole blob into its slot (`base`, `stride` bytes) in `UPLOAD_PIECE`s on several
+/// threads.
+fn copy_blob(writer: &SlotWriter, (base, stride): (u64, u64), bytes: &[u8]) {
+    use rayon::prelude::*;
+    (bytes.par_chunks(UPLOAD_PIECE).enumerate())
+        .for_each(|(i, piece)| writer.write((base, stride), i * UPLOAD_PIECE, piece));
+}
 
 impl Streaming {
     /// `slots` per MoE layer, all empty; batches below the GEMM path of at most `max_piece`
@@ -457,13 +467,7 @@ impl GpuDecoder {
                     copied += 1;
                     let base = s as u64 * stride;
                     let t = Instant::now();
-                    use rayon::prelude::*;
-                    bytes
-                        .par_chunks(UPLOAD_PIECE)
-                        .enumerate()
-                        .for_each(|(i, piece)| {
-                            writer.write((base, stride), i * UPLOAD_PIECE, piece)
-                        });
+                    copy_blob(writer, (base, stride), bytes);
                     st.upload_ns
                         .fetch_add(nanos(t.elapsed()), Ordering::Relaxed);
                 });
@@ -488,14 +492,14 @@ impl GpuDecoder {
         Ok(used.iter().map(|&e| slot_of[e].expect("filled")).collect())
     }
 
-    /// At a halt, with the GPU idle: copies into the VRAM slots of later MoE layers the experts
-    /// they are expected to choose (`wants`: layer and ids, likeliest first) whose blobs are in
+    /// Copies into the VRAM slots of later MoE layers the experts they are expected to choose (`wants`: layer and ids, likeliest first) whose blobs are in
     /// host memory already (cached, or read ahead completely), so that those layers find them
     /// and run through instead of halting for the copy. Each takes its layer's empty or least
     /// recently used slots, never one holding an expert `wants` names there or one placed so
     /// before (kept until its layer runs: evicted, a placed blob would be read twice where
-    /// there is no host cache); nothing waits for a read.
-    /// The store counts what it handed out once the layer has chosen (`Experts::note_uses`).
+    /// there is no host cache); nothing waits for a read. For layers whose slot buffers no
+    /// submission in flight uses (at a halt, or outside the window the GPU runs). The store
+    /// counts what it handed out once the layer has chosen (`Experts::note_uses`).
     pub(super) fn fill_ahead(
         &self,
         st: &Streaming,
@@ -556,12 +560,9 @@ impl GpuDecoder {
             };
             let experts: Vec<usize> = to.iter().map(|t| t.0).collect();
             let handed = self.experts.take_ready(*m, &experts, &mut |e, bytes| {
-                let Some(&(_, base)) = to.iter().find(|t| t.0 == e) else {
-                    return;
-                };
-                use rayon::prelude::*;
-                (bytes.par_chunks(UPLOAD_PIECE).enumerate())
-                    .for_each(|(i, piece)| writer.write((base, stride), i * UPLOAD_PIECE, piece));
+                if let Some(&(_, base)) = to.iter().find(|t| t.0 == e) {
+                    copy_blob(&writer, (base, stride), bytes);
+                }
             });
             writer.finish();
             // Evicted from the cache or failed meanwhile: no slot claims it.

@@ -21,6 +21,12 @@
 //! the current one. It runs only when some miss must still come from the disk (else the resume
 //! would wait behind it), and changes nothing but which reads start early.
 //!
+//! Fill-ahead: the experts later layers are expected to choose (a replayed trace's, or the
+//! guesses') whose blobs are in host memory already go into those layers' slots before the
+//! layers run — at a halt for the rest of the resumed window, and while the GPU runs a window
+//! for the layers outside it (their slot buffers are in no submission in flight) — so a layer
+//! whose reads were started early need not halt only to have them copied.
+//!
 //! The next window is recorded while the GPU runs the current one and submitted once the
 //! current one is known to have run through (two sets of launch counts, by window parity).
 //! While the decoder is profiling (`--breakdown`) decode takes the stop at every MoE layer
