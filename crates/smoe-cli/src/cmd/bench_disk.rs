@@ -127,8 +127,15 @@ pub fn run(a: Args) -> Result<()> {
         );
     }
     println!();
-    for (p, (name, _)) in pieces.iter().enumerate() {
-        print!("{name:>12}");
+    for (p, (name, bytes)) in pieces.iter().enumerate() {
+        // A size at or above the blob reads whole blobs: say so.
+        let whole = piece_bytes(*bytes, stride) == stride && !name.eq_ignore_ascii_case("blob");
+        let label = if whole {
+            format!("{name}→blob")
+        } else {
+            name.clone()
+        };
+        print!("{label:>12}");
         for (i, _) in (combos.iter().enumerate()).filter(|(_, c)| c.0 == p) {
             let g = &gbps[i];
             let (lo, hi) = (
