@@ -301,8 +301,11 @@ fn bench_decode_streaming_reports_the_router_stops() {
     let v = bench_decode_gpu(&["--pp", "0", "--expert-cache", "25%", "--no-profile"]);
     let s = &v["vram_slots"];
     let f = |k: &str| s[k].as_f64().unwrap_or_else(|| panic!("{k}: {v}"));
-    // The demo model has 6 MoE layers: one stop each per decoded token.
-    assert_eq!(f("stops"), 18.0, "{v}");
+    // The demo model has 6 MoE layers, and each decoded token's either stops or, where its
+    // experts were all placed in VRAM ahead of it (fill-ahead, as the reads' timing allows),
+    // runs through.
+    assert_eq!(f("stops") + f("run_through"), 18.0, "{v}");
+    assert!(f("stops") > 0.0, "{v}");
     assert!(f("hit_stops") <= f("stops"), "{v}");
     assert!(f("hits") + f("misses") > 0.0, "{v}");
     assert!(f("pass_s") >= f("gpu_wait_s") + f("fill_s"), "{v}");
