@@ -223,7 +223,8 @@ fn kernels(a: KernelArgs) -> Result<()> {
     Ok(())
 }
 
-fn median_spread(mut v: Vec<f64>) -> (f64, f64, f64) {
+/// The median, smallest and largest of `v` (not empty).
+pub(crate) fn median_spread(mut v: Vec<f64>) -> (f64, f64, f64) {
     v.sort_by(|a, b| a.total_cmp(b));
     (v[v.len() / 2], v[0], v[v.len() - 1])
 }

@@ -2,10 +2,12 @@
 //! of threads — what `--read-piece` and `--read-threads` should be on this disk, and beside
 //! what `bench decode`'s I/O bound divides by (whole blobs on 8 threads).
 
+use crate::cmd::bench::median_spread;
 use crate::common::model_path;
 use crate::store_args::parse_read_piece;
 use anyhow::{bail, Context, Result};
-use smoe_engine::store::aligned::{AlignedBuf, ALIGN};
+use smoe_engine::store::aligned::AlignedBuf;
+use smoe_engine::store::read_piece_bytes;
 use smoe_vault::format::ExpertSection;
 use smoe_vault::Vault;
 use std::os::unix::fs::FileExt;
@@ -93,9 +95,9 @@ pub fn run(a: Args) -> Result<()> {
         .map(|(&(p, t), g)| {
             serde_json::json!({
                 "piece": pieces[p].0,
-                "piece_bytes": piece_bytes(pieces[p].1, stride),
+                "piece_bytes": read_piece_bytes(pieces[p].1, stride),
                 "threads": t,
-                "gb_per_s": median(g),
+                "gb_per_s": median_spread(g.clone()).0,
                 "rounds": g,
             })
         })
@@ -129,7 +131,8 @@ pub fn run(a: Args) -> Result<()> {
     println!();
     for (p, (name, bytes)) in pieces.iter().enumerate() {
         // A size at or above the blob reads whole blobs: say so.
-        let whole = piece_bytes(*bytes, stride) == stride && !name.eq_ignore_ascii_case("blob");
+        let whole =
+            read_piece_bytes(*bytes, stride) == stride && !name.eq_ignore_ascii_case("blob");
         let label = if whole {
             format!("{name}→blob")
         } else {
@@ -137,28 +140,13 @@ pub fn run(a: Args) -> Result<()> {
         };
         print!("{label:>12}");
         for (i, _) in (combos.iter().enumerate()).filter(|(_, c)| c.0 == p) {
-            let g = &gbps[i];
-            let (lo, hi) = (
-                g.iter().copied().fold(f64::MAX, f64::min),
-                g.iter().copied().fold(0.0, f64::max),
-            );
-            print!("{:>22}", format!("{:.2} ({lo:.2}–{hi:.2})", median(g)));
+            let (m, lo, hi) = median_spread(gbps[i].clone());
+            print!("{:>22}", format!("{m:.2} ({lo:.2}–{hi:.2})"));
         }
         println!();
     }
     println!("(the expert store reads with --read-piece 256KiB on --read-threads 8 unless told)");
     Ok(())
-}
-
-/// A read size as the store uses it: at most the blob, a multiple of 16 KiB.
-fn piece_bytes(piece: usize, stride: usize) -> usize {
-    piece.min(stride).max(ALIGN).next_multiple_of(ALIGN)
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    s[s.len() / 2]
 }
 
 /// Nanoseconds of the wall clock: a seed that differs from run to run.
@@ -185,7 +173,7 @@ pub fn read_gbps(
     if stride == 0 || x.blobs.is_empty() {
         return None;
     }
-    let piece = piece_bytes(piece, stride);
+    let piece = read_piece_bytes(piece, stride);
     let blobs = (bytes as usize / stride).clamp(1, x.blobs.len());
     let per_blob = stride.div_ceil(piece);
     let next = AtomicUsize::new(0);

@@ -838,8 +838,8 @@ impl GpuDecoder {
         }
     }
 
-    /// Streaming: whether a decode halt also copies into later MoE layers' slots the experts
-    /// they are expected to choose whose blobs are in host memory (`through`, the default;
+    /// Streaming: whether decode copies into later MoE layers' slots, ahead of them, the
+    /// experts they are expected to choose whose blobs are in host memory (`through`, the default;
     /// `SMOE_GPU_FILL_AHEAD=0` starts with it off). For tests and measurements.
     pub fn set_fill_ahead(&self, on: bool) {
         if let Some(th) = self.streaming.as_ref().and_then(|s| s.through.as_ref()) {

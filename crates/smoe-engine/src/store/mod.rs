@@ -118,6 +118,15 @@ fn expert_bytes(vault: &Vault) -> u64 {
 /// keep short the wait of a needed read behind a lookahead guess's piece.
 pub const DEFAULT_READ_PIECE: usize = 256 << 10;
 
+/// The bytes a read of `piece` takes for blobs `stride` apart: at most the blob, a multiple of
+/// 16 KiB (`usize::MAX`: whole blobs).
+pub fn read_piece_bytes(piece: usize, stride: usize) -> usize {
+    piece
+        .min(stride)
+        .max(aligned::ALIGN)
+        .next_multiple_of(aligned::ALIGN)
+}
+
 /// Options of the expert store.
 #[derive(Clone)]
 pub struct StoreOptions {

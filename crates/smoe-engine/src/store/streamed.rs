@@ -77,11 +77,10 @@ impl StreamedStore {
         stats.cache_budget = budget;
         stats.direct_io = reader.is_direct();
         let threads = threads.max(1);
-        let align = super::aligned::ALIGN;
         let store = Arc::new(StreamedStore {
             vault: vault.clone(),
             n_experts: cfg.num_experts,
-            piece: (piece.min(x.blob_stride as usize).max(align)).next_multiple_of(align),
+            piece: super::read_piece_bytes(piece, x.blob_stride as usize),
             cache: Mutex::new(ExpertCache::new(budget, cfg.num_layers * cfg.num_experts)),
             stats: Mutex::new(stats),
             queue: Arc::new(ReadQueue::new(guess_readers(threads))),
@@ -366,27 +365,25 @@ impl StreamedStore {
         experts: &[(usize, usize)],
         f: &mut dyn FnMut(usize, &[u8]),
     ) -> Vec<usize> {
-        let mut ready = vec![];
+        // (Cached blobs are taken under the lock; reads ahead that are done leave the map.)
+        let mut ready: Vec<(usize, usize, Result<Arc<AlignedBuf>, Arc<BlobRead>>)> = vec![];
         {
-            let cache = self.cache.lock().unwrap();
+            let mut cache = self.cache.lock().unwrap();
             let mut pre = self.prefetched.lock().unwrap();
             for &(e, _) in experts {
                 let key = layer * self.n_experts + e;
-                if cache.contains(key) {
-                    ready.push((e, key, None));
+                if let Some(buf) = cache.touch(key) {
+                    ready.push((e, key, Ok(buf)));
                 } else if pre.get(&key).is_some_and(|r| r.is_done()) {
-                    ready.push((e, key, pre.remove(&key)));
+                    ready.push((e, key, Err(pre.remove(&key).unwrap())));
                 }
             }
         }
         let mut handed = vec![];
-        for (e, key, read) in ready {
-            let (buf, placed) = match read {
-                None => match self.cache.lock().unwrap().touch(key) {
-                    Some(buf) => (buf, Placed::Cached),
-                    None => continue, // evicted meanwhile
-                },
-                Some(read) => match read.wait() {
+        for (e, key, from) in ready {
+            let (buf, placed) = match from {
+                Ok(buf) => (buf, Placed::Cached),
+                Err(read) => match read.wait() {
                     (_, Ok(buf), secs) => {
                         let buf = Arc::new(buf);
                         self.insert(key, buf.clone(), false);

@@ -165,11 +165,25 @@ pub(super) struct SlotTable {
 impl SlotTable {
     /// MoE layer `l` runs with the distinct experts `used`: how many of them sit in slots
     /// `fill_ahead` filled for it (misses, brought in ahead of the stop). Clears its marks.
-    fn settle_placed(&mut self, l: usize, used: &[usize]) -> usize {
-        let placed = std::mem::replace(&mut self.placed[l], vec![false; self.held[l].len()]);
-        (used.iter())
-            .filter(|&&e| self.slot_of[l][e].is_some_and(|s| placed[s as usize]))
-            .count()
+    /// (Every MoE layer of every token asks: nothing to do unless a slot is marked.)
+    fn settle_placed(&mut self, l: usize, used: impl IntoIterator<Item = usize>) -> usize {
+        let (marks, slot_of) = (&mut self.placed[l], &self.slot_of[l]);
+        if !marks.contains(&true) {
+            return 0;
+        }
+        let n = (used.into_iter())
+            .filter(|&e| slot_of[e].is_some_and(|s| marks[s as usize]))
+            .count();
+        marks.fill(false);
+        n
+    }
+}
+
+/// Frees the slot holding expert `e` of one layer (`slot_of`, `held`), if one does: after a
+/// fill that failed or a blob that was not handed over, no slot claims it.
+fn release(slot_of: &mut [Option<u32>], held: &mut [(Option<usize>, u64)], e: usize) {
+    if let Some(s) = slot_of[e].take() {
+        held[s as usize] = (None, 0);
     }
 }
 
@@ -384,7 +398,7 @@ impl GpuDecoder {
         let mut t = st.table.lock().unwrap_or_else(|e| e.into_inner());
         t.clock += 1;
         let now = t.clock;
-        let placed = t.settle_placed(l, &distinct);
+        let placed = t.settle_placed(l, distinct.iter().copied());
         let SlotTable { slot_of, held, .. } = &mut *t;
         let (slot_of, held) = (&mut slot_of[l], &mut held[l]);
         let mut misses = vec![];
@@ -411,11 +425,7 @@ impl GpuDecoder {
         (st.misses).fetch_add((misses.len() + placed) as u64, Ordering::Relaxed);
         // A failed fill leaves no slot claiming the missed experts.
         let forget = |slot_of: &mut Vec<Option<u32>>, held: &mut Vec<(Option<usize>, u64)>| {
-            for &e in &misses {
-                if let Some(s) = slot_of[e].take() {
-                    held[s as usize] = (None, 0);
-                }
-            }
+            misses.iter().for_each(|&e| release(slot_of, held, e));
             self.sync_table(st, l, slot_of);
         };
         // (Called even without misses: it also drops this layer's unused lookahead reads and
@@ -505,6 +515,9 @@ impl GpuDecoder {
         st: &Streaming,
         wants: &[(usize, Vec<u32>)],
     ) -> Result<(), EngineError> {
+        if wants.is_empty() {
+            return Ok(());
+        }
         let t0 = Instant::now();
         let mut placed = 0;
         for (m, want) in wants {
@@ -544,16 +557,10 @@ impl GpuDecoder {
                 marks[victim] = true;
                 to.push((e, victim as u64 * stride));
             }
-            let forget =
-                |slot_of: &mut Vec<Option<u32>>, held: &mut Vec<(Option<usize>, u64)>, e: usize| {
-                    if let Some(s) = slot_of[e].take() {
-                        held[s as usize] = (None, 0);
-                    }
-                };
             let writer = match SlotWriter::open(&self.ctx, &slots.buf, slots.mappable, st.lands) {
                 Ok(w) => w,
                 Err(err) => {
-                    to.iter().for_each(|&(e, _)| forget(slot_of, held, e));
+                    to.iter().for_each(|&(e, _)| release(slot_of, held, e));
                     self.sync_table(st, *m, slot_of);
                     return Err(err);
                 }
@@ -567,7 +574,7 @@ impl GpuDecoder {
             writer.finish();
             // Evicted from the cache or failed meanwhile: no slot claims it.
             for &e in experts.iter().filter(|e| !handed.contains(e)) {
-                forget(slot_of, held, e);
+                release(slot_of, held, e);
             }
             self.sync_table(st, *m, slot_of);
             placed += handed.len();
@@ -602,10 +609,7 @@ impl GpuDecoder {
         let mut t = st.table.lock().unwrap_or_else(|e| e.into_inner());
         t.clock += 1;
         let now = t.clock;
-        let placed = t.settle_placed(
-            l,
-            &(experts.iter().map(|&e| e as usize).collect::<Vec<_>>()),
-        );
+        let placed = t.settle_placed(l, experts.iter().map(|&e| e as usize));
         let SlotTable { slot_of, held, .. } = &mut *t;
         for &e in &experts {
             let Some(s) = slot_of[l].get(e as usize).copied().flatten() else {

@@ -89,8 +89,9 @@ pub(super) struct Through {
     readback: Readback,
     /// Off: every MoE layer stops for the host, as prompt batches do (`set_run_through`).
     pub(super) on: AtomicBool,
-    /// At a halt, copy into later layers' slots the experts expected there whose blobs are
-    /// in host memory (`fill_ahead`; `SMOE_GPU_FILL_AHEAD=0` or `set_fill_ahead` turn it off).
+    /// Copy into later layers' slots the experts expected there whose blobs are in host
+    /// memory, at halts and while the GPU runs a window (`fill_ahead`; `SMOE_GPU_FILL_AHEAD=0`
+    /// or `set_fill_ahead` turn it off).
     pub(super) fill_ahead: AtomicBool,
     /// A routing trace being recorded or replayed (`oracle`).
     oracle: Option<Oracle>,
