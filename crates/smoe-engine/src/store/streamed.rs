@@ -366,24 +366,28 @@ impl StreamedStore {
         f: &mut dyn FnMut(usize, &[u8]),
     ) -> Vec<usize> {
         // (Cached blobs are taken under the lock; reads ahead that are done leave the map.)
-        let mut ready: Vec<(usize, usize, Result<Arc<AlignedBuf>, Arc<BlobRead>>)> = vec![];
+        enum Ready {
+            Cached(Arc<AlignedBuf>),
+            Read(Arc<BlobRead>),
+        }
+        let mut ready = vec![];
         {
             let mut cache = self.cache.lock().unwrap();
             let mut pre = self.prefetched.lock().unwrap();
             for &(e, _) in experts {
                 let key = layer * self.n_experts + e;
                 if let Some(buf) = cache.touch(key) {
-                    ready.push((e, key, Ok(buf)));
+                    ready.push((e, key, Ready::Cached(buf)));
                 } else if pre.get(&key).is_some_and(|r| r.is_done()) {
-                    ready.push((e, key, Err(pre.remove(&key).unwrap())));
+                    ready.push((e, key, Ready::Read(pre.remove(&key).unwrap())));
                 }
             }
         }
         let mut handed = vec![];
         for (e, key, from) in ready {
             let (buf, placed) = match from {
-                Ok(buf) => (buf, Placed::Cached),
-                Err(read) => match read.wait() {
+                Ready::Cached(buf) => (buf, Placed::Cached),
+                Ready::Read(read) => match read.wait() {
                     (_, Ok(buf), secs) => {
                         let buf = Arc::new(buf);
                         self.insert(key, buf.clone(), false);
