@@ -2,9 +2,9 @@
 
 use crate::chat::ChatTemplate;
 use crate::error::EngineError;
-use crate::kv_cache::KvCache;
 use crate::model::{Logits, Model, Scratch};
 use crate::sampler::{argmax, log_softmax_at, Sampler, SamplerConfig, StopStrings};
+use crate::state::SeqState;
 use crate::store::StoreOptions;
 use crate::tokenizer::Tokenizer;
 use serde::Serialize;
@@ -100,7 +100,7 @@ impl Engine {
         let ctx = ctx.min(self.model.config().max_position_embeddings).max(1);
         Session {
             engine: self,
-            kv: self.model.new_cache(ctx),
+            state: self.model.new_state(ctx),
             scratch: Scratch::default(),
             tokens: vec![],
         }
@@ -136,8 +136,8 @@ impl Engine {
         want: &[Logits],
         scratch: &mut Scratch,
     ) -> Result<Vec<Vec<f32>>, EngineError> {
-        let mut kvs: Vec<&mut KvCache> = sessions.iter_mut().map(|s| &mut s.kv).collect();
-        let out = self.model.forward_batch(&mut kvs, runs, want, scratch)?;
+        let mut states: Vec<&mut SeqState> = sessions.iter_mut().map(|s| &mut s.state).collect();
+        let out = self.model.forward_batch(&mut states, runs, want, scratch)?;
         for (s, run) in sessions.iter_mut().zip(runs) {
             s.tokens.extend_from_slice(run);
         }
@@ -150,10 +150,10 @@ impl Engine {
             return Err(EngineError::Invalid("no tokens to score".into()));
         }
         let mut s = self.session(ids.len());
-        if s.kv.capacity() < ids.len() {
+        if s.state.capacity() < ids.len() {
             return Err(EngineError::ContextFull {
                 needed: ids.len(),
-                capacity: s.kv.capacity(),
+                capacity: s.state.capacity(),
             });
         }
         let logits = s.feed(ids, Logits::All)?;
@@ -233,10 +233,10 @@ enum Next {
     Id(u32),
 }
 
-/// One sequence: its KV cache and the tokens it has seen.
+/// One sequence: its state (per layer) and the tokens it has seen.
 pub struct Session<'e> {
     engine: &'e Engine,
-    pub kv: KvCache,
+    pub state: SeqState,
     scratch: Scratch,
     pub tokens: Vec<u32>,
 }
@@ -245,7 +245,7 @@ impl<'e> Session<'e> {
     /// Appends `tokens`, prefilling in chunks; returns logits as `want` asks (`All`: every
     /// position of `tokens`; `Last`: the final one).
     pub fn feed(&mut self, tokens: &[u32], want: Logits) -> Result<Vec<f32>, EngineError> {
-        self.kv.check_room(tokens.len())?;
+        self.state.check_room(tokens.len())?;
         let chunk = self.engine.opts.prefill_chunk.max(1);
         let mut out = vec![];
         let n_chunks = tokens.len().div_ceil(chunk);
@@ -258,7 +258,7 @@ impl<'e> Session<'e> {
             out.extend(
                 self.engine
                     .model
-                    .forward(&mut self.kv, part, w, &mut self.scratch)?,
+                    .forward(&mut self.state, part, w, &mut self.scratch)?,
             );
             self.tokens.extend_from_slice(part);
         }
@@ -268,7 +268,7 @@ impl<'e> Session<'e> {
     /// Appends `tokens` and returns the most likely next token (`sampler::argmax`); on the GPU
     /// only that id comes back, not the logits.
     pub fn feed_greedy(&mut self, tokens: &[u32]) -> Result<u32, EngineError> {
-        self.kv.check_room(tokens.len())?;
+        self.state.check_room(tokens.len())?;
         if tokens.is_empty() {
             return Err(EngineError::Invalid("no tokens to run".into()));
         }
@@ -278,9 +278,9 @@ impl<'e> Session<'e> {
         let n_chunks = tokens.len().div_ceil(chunk);
         for (i, part) in tokens.chunks(chunk).enumerate() {
             if i + 1 == n_chunks {
-                id = model.forward_greedy(&mut self.kv, part, &mut self.scratch)?;
+                id = model.forward_greedy(&mut self.state, part, &mut self.scratch)?;
             } else {
-                model.forward(&mut self.kv, part, Logits::None, &mut self.scratch)?;
+                model.forward(&mut self.state, part, Logits::None, &mut self.scratch)?;
             }
             self.tokens.extend_from_slice(part);
         }
@@ -296,8 +296,13 @@ impl<'e> Session<'e> {
         on_token: &mut dyn FnMut(u32) -> Result<bool, EngineError>,
     ) -> Result<(), EngineError> {
         let model = &self.engine.model;
-        let fed =
-            model.decode_greedy(&mut self.kv, first, max_tokens, on_token, &mut self.scratch)?;
+        let fed = model.decode_greedy(
+            &mut self.state,
+            first,
+            max_tokens,
+            on_token,
+            &mut self.scratch,
+        )?;
         self.tokens.extend(fed);
         Ok(())
     }
@@ -311,8 +316,16 @@ impl<'e> Session<'e> {
         })
     }
 
+    /// Forgets the tokens from `keep` on, as far as the state allows (`SeqState::rewind`):
+    /// returns how many it kept, which the caller feeds on from.
+    pub fn rewind(&mut self, keep: usize) -> usize {
+        let kept = self.state.rewind(keep);
+        self.tokens.truncate(kept);
+        kept
+    }
+
     pub fn reset(&mut self) {
-        self.kv.clear();
+        self.state.clear();
         self.tokens.clear();
     }
 
@@ -377,7 +390,7 @@ impl<'e> Session<'e> {
                     self.decode_greedy(first, left, &mut accept)?;
                 } else {
                     let mut id = first;
-                    while self.kv.check_room(1).is_ok() {
+                    while self.state.check_room(1).is_ok() {
                         let mut logits = self.feed(&[id], Logits::Last)?;
                         id = sampler.sample(&mut logits, &self.tokens);
                         if !accept(id)? {

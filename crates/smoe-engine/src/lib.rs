@@ -1,14 +1,15 @@
-//! smoe engine: models, expert store, KV cache, sampler, tokenizer + chat template and the
+//! smoe engine: model descriptions and their CPU and GPU executors, per-layer sequence state,
+//! expert store, sampler, tokenizer + chat template and the
 //! generation loop.
 pub mod chat;
 pub mod engine;
 pub mod error;
 pub mod experts;
 pub mod gpu;
-pub mod kv_cache;
 pub mod model;
 pub mod rope;
 pub mod sampler;
+pub mod state;
 pub mod store;
 pub mod tokenizer;
 

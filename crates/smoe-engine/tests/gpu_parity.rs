@@ -177,7 +177,7 @@ fn greedy_chain_matches_token_by_token() {
             .unwrap();
             assert_eq!(got.len(), 5);
             assert_eq!(s.tokens.len(), prompt.len() + 4, "{name}: fed after a stop");
-            assert_eq!(s.kv.len, s.tokens.len());
+            assert_eq!(s.state.len(), s.tokens.len());
             let last = *got.last().unwrap();
             s.decode_greedy(last, n - 5, &mut |id| {
                 got.push(id);
@@ -196,7 +196,7 @@ fn greedy_chain_matches_token_by_token() {
             })
             .unwrap();
             assert_eq!(short, want[..4], "{name} {dtype}: chain in a small cache");
-            assert_eq!(c.kv.len, prompt.len() + 3);
+            assert_eq!(c.state.len(), prompt.len() + 3);
         }
     }
 }

@@ -211,6 +211,9 @@ fn run(engine: Engine, opts: SchedulerOptions, jobs: mpsc::Receiver<Job>, stats:
         // chunk while the budget lasts (oldest first, so a long prompt cannot starve others).
         let mut budget = opts.prefill_budget.max(1);
         let mut plan: Vec<(usize, Vec<u32>, Logits)> = Vec::new(); // (index in active, run, want)
+                                                                   // The slots whose prompt ends in this step: their state is checkpointed there, so a
+                                                                   // later request sharing the prompt can go back to it (`SeqState::checkpoint`).
+        let mut prompt_ends: Vec<usize> = Vec::new();
         for (i, s) in active.iter().enumerate() {
             match s.next_run(chunk) {
                 (run, true) => plan.push((i, run, Logits::Last)),
@@ -220,6 +223,7 @@ fn run(engine: Engine, opts: SchedulerOptions, jobs: mpsc::Receiver<Job>, stats:
                     if n <= budget || first {
                         budget = budget.saturating_sub(n);
                         let want = if s.is_last_chunk(n) {
+                            prompt_ends.push(s.slot);
                             Logits::Last
                         } else {
                             Logits::None
@@ -244,6 +248,11 @@ fn run(engine: Engine, opts: SchedulerOptions, jobs: mpsc::Receiver<Job>, stats:
         let result = engine.forward_batch(&mut sessions, &runs, &want, &mut scratch);
         stats.record_step(runs.iter().map(|r| r.len()).sum(), t0.elapsed());
         drop(sessions);
+        if result.is_ok() {
+            prompt_ends
+                .iter()
+                .for_each(|&i| slots[i].state.checkpoint());
+        }
 
         let mut finished: Vec<usize> = Vec::new();
         match result {
@@ -262,7 +271,7 @@ fn run(engine: Engine, opts: SchedulerOptions, jobs: mpsc::Receiver<Job>, stats:
             Ok(outs) => {
                 for ((i, run, _), logits) in plan.iter().zip(outs) {
                     let s = &mut active[*i];
-                    let room = slots[s.slot].kv.check_room(1).is_ok();
+                    let room = slots[s.slot].state.check_room(1).is_ok();
                     match s.advance(run.len(), logits, room, &stats) {
                         StepOutcome::Continue => {}
                         StepOutcome::Finished => finished.push(*i),
@@ -299,11 +308,10 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
-/// Keeps the KV of the longest common prefix (causal attention: those positions do not depend on
-/// what follows), leaving at least one prompt token to feed for the first logits.
+/// Keeps the state of the longest common prefix (causal: those positions do not depend on what
+/// follows), leaving at least one prompt token to feed for the first logits. Where a layer's
+/// state cannot be truncated, `Session::rewind` goes back to a checkpoint or to the start.
 fn reuse_prefix(s: &mut Session<'_>, prompt: &[u32]) -> usize {
     let keep = common_prefix(&s.tokens, prompt).min(prompt.len().saturating_sub(1));
-    s.tokens.truncate(keep);
-    s.kv.len = keep;
-    keep
+    s.rewind(keep)
 }

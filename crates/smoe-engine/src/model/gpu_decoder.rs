@@ -24,8 +24,8 @@ use crate::gpu::{
     self, Acts, FfnW, GpuKv, Head, KvPool, LayerOps, Readback, Recorder, SlotPlan, Weights,
     GEMM_MIN, LOGIT_ROWS, T_MAX,
 };
-use crate::kv_cache::KvCache;
 use crate::rope::RopeTable;
+use crate::state::SeqState;
 use crate::store::{CacheBudget, Experts, StoreOptions};
 use smoe_compute::gpu::{
     wgpu, BufRef, ClockHold, EmbedGather, GpuContext, MatrixUnits, Timestamps,
@@ -47,6 +47,8 @@ use through::Through;
 
 pub struct GpuDecoder {
     pub cfg: ModelConfig,
+    /// The model's description (`families::describe`).
+    pub spec: super::spec::ModelSpec,
     ctx: Arc<GpuContext>,
     /// Tells this model's KV caches from another's.
     id: u64,
@@ -425,6 +427,7 @@ impl GpuDecoder {
         }
         Ok(GpuDecoder {
             id: IDS.fetch_add(1, Ordering::Relaxed),
+            spec: super::families::describe(&cfg),
             embed: vault.tensor("model.embed_tokens.weight")?,
             step: ctx.step_buffer(),
             rope_scale: rope.scale(),
@@ -476,15 +479,15 @@ impl GpuDecoder {
         }
     }
 
-    /// A cache whose keys and values will live in GPU memory (allocated at the first pass).
-    pub fn new_cache(&self, capacity: usize) -> KvCache {
-        KvCache::on_gpu(self.cfg.num_kv_heads * self.cfg.head_dim, capacity)
+    /// A sequence whose state will live in GPU memory (allocated at its first pass).
+    pub fn new_state(&self, capacity: usize) -> SeqState {
+        SeqState::on_gpu(self.spec.states(), capacity)
     }
 
     /// As `Decoder::forward`: logits (`[rows, vocab]`) for the positions `want` asks for.
     pub fn forward(
         &self,
-        kv: &mut KvCache,
+        kv: &mut SeqState,
         tokens: &[u32],
         want: Logits,
     ) -> Result<Vec<f32>, EngineError> {
@@ -495,7 +498,7 @@ impl GpuDecoder {
 
     /// Runs `tokens` and returns the most likely next token (ties to the lowest id, as
     /// `sampler::argmax`), chosen on the GPU: only its id is read back.
-    pub fn forward_greedy(&self, kv: &mut KvCache, tokens: &[u32]) -> Result<u32, EngineError> {
+    pub fn forward_greedy(&self, kv: &mut SeqState, tokens: &[u32]) -> Result<u32, EngineError> {
         let mut out = vec![];
         self.run(kv, tokens, End::Greedy, &mut out)?
             .ok_or_else(|| EngineError::Invalid("no tokens to run".into()))
@@ -503,7 +506,7 @@ impl GpuDecoder {
 
     /// Checks that `tokens` fit `kv` and the vocabulary, and that `kv` is this model's GPU
     /// cache (creating its GPU side at the first pass).
-    fn prepare(&self, kv: &mut KvCache, tokens: &[u32]) -> Result<(), EngineError> {
+    fn prepare(&self, kv: &mut SeqState, tokens: &[u32]) -> Result<(), EngineError> {
         let c = &self.cfg;
         kv.check_room(tokens.len())?;
         if let Some(&id) = tokens.iter().find(|&&id| id as usize >= c.vocab_size) {
@@ -519,7 +522,7 @@ impl GpuDecoder {
                     "this KV cache belongs to another model".into(),
                 ))
             }
-            None if kv.len > 0 => {
+            None if !kv.is_empty() => {
                 return Err(EngineError::Backend(
                     "this KV cache holds CPU state; create sessions from the GPU model".into(),
                 ))
@@ -531,7 +534,7 @@ impl GpuDecoder {
 
     fn run(
         &self,
-        kv: &mut KvCache,
+        kv: &mut SeqState,
         tokens: &[u32],
         end: End,
         out: &mut Vec<f32>,
@@ -559,7 +562,7 @@ impl GpuDecoder {
                 n = n.min(LOGIT_ROWS);
             }
             let last = done + n == tokens.len();
-            self.write_inputs(&mut rows, &tokens[done..done + n], kv.len + done);
+            self.write_inputs(&mut rows, &tokens[done..done + n], kv.len() + done);
             let q = &self.ctx.queue;
             let (layers, head) = &self.batches[n.trailing_zeros() as usize];
             // Streaming decode: through the layers whose experts sit in VRAM (`through`).
@@ -678,7 +681,7 @@ impl GpuDecoder {
             p.acc.wall_ns += started.elapsed().as_nanos() as f64;
             p.acc.passes += 1;
         }
-        kv.len += tokens.len();
+        kv.advance(tokens.len());
         if let Some(st) = &self.streaming {
             self.experts.tick();
             st.pass_ns
@@ -780,13 +783,15 @@ impl GpuDecoder {
     /// at every router), an embedding not on the GPU, or while profiling.
     pub fn decode_greedy(
         &self,
-        kv: &mut KvCache,
+        kv: &mut SeqState,
         first: u32,
         max_tokens: usize,
         on_token: &mut dyn FnMut(u32) -> Result<bool, EngineError>,
     ) -> Result<Option<Vec<u32>>, EngineError> {
         let profiling = self.profiling.lock().unwrap_or_else(|e| e.into_inner());
-        let chain = self.chain().filter(|_| profiling.is_none());
+        // A pass queued ahead of the host's `false` writes one position past the sequence's
+        // end, which `SeqState::rewind` forgets only where every layer's state is truncatable.
+        let chain = (self.chain()).filter(|_| profiling.is_none() && kv.truncatable());
         drop(profiling);
         let Some(chain) = chain else {
             return Ok(None);
@@ -797,35 +802,43 @@ impl GpuDecoder {
         }
         // The checks and KV cache set-up of a normal pass, with the first token.
         self.prepare(kv, &[first])?;
-        let gkv = kv.gpu.as_deref().expect("prepared");
-        let mut rows = self.running.lock().unwrap_or_else(|e| e.into_inner());
-        let start = kv.len;
-        let mut queued = std::collections::VecDeque::new();
-        self.write_inputs(&mut rows, &[first], start);
-        queued.push_back(self.chain_pass(chain, gkv, true, 0)?);
-        fed.push(first);
+        // (Out of the state while the chain runs, so the state can count the positions.)
+        let gpu = kv.gpu.take().expect("prepared");
+        let (start, capacity) = (kv.len(), kv.capacity());
         let mut produced = 0;
-        while let Some(idx) = queued.pop_front() {
-            // Queue the next pass (its input is this one's argmax) unless the budget or the
-            // cache says this pass is the last.
-            let ahead = produced + 1 < max_tokens && start + fed.len() < kv.capacity();
-            if ahead {
-                let pass = fed.len();
-                self.ctx.write_step(&self.step, (start + pass) as u32);
-                queued.push_back(self.chain_pass(chain, gkv, false, pass % 2)?);
+        let mut chain_run = || -> Result<(), EngineError> {
+            let gkv = &*gpu;
+            let mut rows = self.running.lock().unwrap_or_else(|e| e.into_inner());
+            let mut queued = std::collections::VecDeque::new();
+            self.write_inputs(&mut rows, &[first], start);
+            queued.push_back(self.chain_pass(chain, gkv, true, 0)?);
+            fed.push(first);
+            while let Some(idx) = queued.pop_front() {
+                // Queue the next pass (its input is this one's argmax) unless the budget or the
+                // cache says this pass is the last.
+                let ahead = produced + 1 < max_tokens && start + fed.len() < capacity;
+                if ahead {
+                    let pass = fed.len();
+                    self.ctx.write_step(&self.step, (start + pass) as u32);
+                    queued.push_back(self.chain_pass(chain, gkv, false, pass % 2)?);
+                }
+                let id = chain.ids[produced % 2].read_after(&self.ctx, Some(idx), 4, |b| {
+                    u32::from_le_bytes([b[0], b[1], b[2], b[3]])
+                })?;
+                produced += 1;
+                if !on_token(id)? {
+                    break;
+                }
+                if ahead {
+                    fed.push(id);
+                }
             }
-            let id = chain.ids[produced % 2].read_after(&self.ctx, Some(idx), 4, |b| {
-                u32::from_le_bytes([b[0], b[1], b[2], b[3]])
-            })?;
-            produced += 1;
-            kv.len += 1;
-            if !on_token(id)? {
-                break;
-            }
-            if ahead {
-                fed.push(id);
-            }
-        }
+            Ok(())
+        };
+        let ran = chain_run();
+        kv.gpu = Some(gpu);
+        kv.advance(produced);
+        ran?;
         Ok(Some(fed))
     }
 

@@ -1,12 +1,16 @@
-//! Model architectures: one file per family; this module holds what they share.
+//! Models: a family is described as data (`spec`, `families`); the CPU executor (`cpu`)
+//! interprets the description and the GPU executor (`gpu_decoder`) lowers it to recorded
+//! dispatches. `Model` is whichever of the two runs.
 
-pub mod decoder;
+pub mod cpu;
+pub mod families;
 pub mod gpu_decoder;
+pub mod spec;
 
 use crate::error::EngineError;
-use crate::kv_cache::KvCache;
+use crate::state::SeqState;
 use smoe_compute::cpu::QMatRef;
-use smoe_vault::{Architecture, ModelConfig, TensorData, Vault};
+use smoe_vault::{ModelConfig, TensorData, Vault};
 
 /// Which positions of a forward pass need logits (the LM head is the largest matrix: skip it
 /// wherever no token is generated or scored).
@@ -37,12 +41,10 @@ pub fn mat(t: &TensorData) -> QMatRef<'_> {
     QMatRef::new(t.dtype(), rows, cols, t.bytes())
 }
 
-/// A loaded model. Every supported family (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) is the same
-/// decoder with different options; an architecture that needs other blocks (MLA, linear
-/// attention) becomes a new variant here.
+/// A loaded model: its description (`families::describe`) run by one of the two executors.
 pub enum Model {
-    Decoder(decoder::Decoder),
-    /// The same decoder on the GPU (`--backend gpu`).
+    Cpu(cpu::CpuModel),
+    /// The same description on the GPU (`--backend gpu`).
     Gpu(gpu_decoder::GpuDecoder),
 }
 
@@ -51,12 +53,8 @@ impl Model {
         if store.vram_budget.is_some() {
             tracing::warn!("--vram-cache applies to the GPU backend; the CPU reads its experts from the host cache (--expert-cache)");
         }
-        use Architecture::*;
-        match vault.header.config.architecture {
-            Qwen3Moe | Qwen2Moe | Mixtral | Olmoe => {
-                Ok(Model::Decoder(decoder::Decoder::load(vault, store)?))
-            }
-        }
+        let spec = families::describe(&vault.header.config);
+        Ok(Model::Cpu(cpu::CpuModel::load(vault, spec, store)?))
     }
 
     /// The decoder on the GPU; errors when there is no usable adapter or the model needs
@@ -71,14 +69,14 @@ impl Model {
     /// "cpu" or "gpu".
     pub fn backend(&self) -> &'static str {
         match self {
-            Model::Decoder(_) => "cpu",
+            Model::Cpu(_) => "cpu",
             Model::Gpu(_) => "gpu",
         }
     }
 
     pub fn config(&self) -> &ModelConfig {
         match self {
-            Model::Decoder(m) => &m.cfg,
+            Model::Cpu(m) => &m.cfg,
             Model::Gpu(m) => &m.cfg,
         }
     }
@@ -86,7 +84,7 @@ impl Model {
     /// The routed experts' store (stats, profile, preload).
     pub fn experts(&self) -> &crate::store::Experts {
         match self {
-            Model::Decoder(m) => &m.experts,
+            Model::Cpu(m) => &m.experts,
             Model::Gpu(m) => &m.experts,
         }
     }
@@ -95,7 +93,7 @@ impl Model {
     pub fn profile_start(&self, fine: bool) -> Result<(), EngineError> {
         match self {
             Model::Gpu(m) => m.profile_start(fine),
-            Model::Decoder(_) => Err(EngineError::Backend(
+            Model::Cpu(_) => Err(EngineError::Backend(
                 "per-step timing needs the GPU backend".into(),
             )),
         }
@@ -105,7 +103,7 @@ impl Model {
     pub fn profile_take(&self) -> Option<gpu_decoder::GpuProfile> {
         match self {
             Model::Gpu(m) => m.profile_take(),
-            Model::Decoder(_) => None,
+            Model::Cpu(_) => None,
         }
     }
 
@@ -116,7 +114,7 @@ impl Model {
     /// each expert. Returns how many were loaded.
     pub fn preload(&self, progress: &mut dyn FnMut(usize, usize)) -> Result<usize, EngineError> {
         match self {
-            Model::Decoder(m) => m.experts.preload(progress),
+            Model::Cpu(m) => m.experts.preload(progress),
             Model::Gpu(m) => m.preload(progress),
         }
     }
@@ -124,7 +122,7 @@ impl Model {
     pub fn vram_slot_stats(&self) -> Option<gpu_decoder::SlotStats> {
         match self {
             Model::Gpu(m) => m.slot_stats(),
-            Model::Decoder(_) => None,
+            Model::Cpu(_) => None,
         }
     }
 
@@ -135,24 +133,32 @@ impl Model {
         }
     }
 
-    pub fn new_cache(&self, capacity: usize) -> KvCache {
-        if let Model::Gpu(m) = self {
-            return m.new_cache(capacity);
+    /// The model's description.
+    pub fn spec(&self) -> &spec::ModelSpec {
+        match self {
+            Model::Cpu(m) => &m.spec,
+            Model::Gpu(m) => &m.spec,
         }
-        let c = self.config();
-        KvCache::new(c.num_layers, c.num_kv_heads * c.head_dim, capacity)
+    }
+
+    /// A new sequence's state, with room for `capacity` positions.
+    pub fn new_state(&self, capacity: usize) -> SeqState {
+        match self {
+            Model::Cpu(m) => m.new_state(capacity),
+            Model::Gpu(m) => m.new_state(capacity),
+        }
     }
 
     pub fn forward(
         &self,
-        kv: &mut KvCache,
+        state: &mut SeqState,
         tokens: &[u32],
         want: Logits,
         s: &mut Scratch,
     ) -> Result<Vec<f32>, EngineError> {
         match self {
-            Model::Decoder(m) => m.forward(kv, tokens, want, s),
-            Model::Gpu(m) => m.forward(kv, tokens, want),
+            Model::Cpu(m) => m.forward(state, tokens, want, s),
+            Model::Gpu(m) => m.forward(state, tokens, want),
         }
     }
 
@@ -160,16 +166,16 @@ impl Model {
     /// row). On the GPU the argmax runs there and only the id is read back.
     pub fn forward_greedy(
         &self,
-        kv: &mut KvCache,
+        state: &mut SeqState,
         tokens: &[u32],
         s: &mut Scratch,
     ) -> Result<u32, EngineError> {
         match self {
-            Model::Decoder(m) => {
-                let logits = m.forward(kv, tokens, Logits::Last, s)?;
+            Model::Cpu(m) => {
+                let logits = m.forward(state, tokens, Logits::Last, s)?;
                 Ok(crate::sampler::argmax(&logits))
             }
-            Model::Gpu(m) => m.forward_greedy(kv, tokens),
+            Model::Gpu(m) => m.forward_greedy(state, tokens),
         }
     }
 
@@ -181,22 +187,22 @@ impl Model {
     /// is one `forward_greedy` per token.
     pub fn decode_greedy(
         &self,
-        kv: &mut KvCache,
+        state: &mut SeqState,
         first: u32,
         max_tokens: usize,
         on_token: &mut dyn FnMut(u32) -> Result<bool, EngineError>,
         s: &mut Scratch,
     ) -> Result<Vec<u32>, EngineError> {
         if let Model::Gpu(m) = self {
-            if let Some(fed) = m.decode_greedy(kv, first, max_tokens, on_token)? {
+            if let Some(fed) = m.decode_greedy(state, first, max_tokens, on_token)? {
                 return Ok(fed);
             }
         }
         let mut fed = vec![];
         let mut id = first;
-        while fed.len() < max_tokens && kv.check_room(1).is_ok() {
+        while fed.len() < max_tokens && state.check_room(1).is_ok() {
             fed.push(id);
-            id = self.forward_greedy(kv, &[id], s)?;
+            id = self.forward_greedy(state, &[id], s)?;
             if !on_token(id)? {
                 break;
             }
@@ -210,22 +216,22 @@ impl Model {
         matches!(self, Model::Gpu(m) if m.chains_greedy())
     }
 
-    /// Several sequences in one pass (continuous batching): `runs[i]` continues `kvs[i]`.
+    /// Several sequences in one pass (continuous batching): `runs[i]` continues `states[i]`.
     pub fn forward_batch(
         &self,
-        kvs: &mut [&mut KvCache],
+        states: &mut [&mut SeqState],
         runs: &[&[u32]],
         want: &[Logits],
         s: &mut Scratch,
     ) -> Result<Vec<Vec<f32>>, EngineError> {
         match self {
-            Model::Decoder(m) => m.forward_batch(kvs, runs, want, s),
+            Model::Cpu(m) => m.forward_batch(states, runs, want, s),
             // One sequence after another (weights read once per sequence, not per batch).
-            Model::Gpu(m) => kvs
+            Model::Gpu(m) => states
                 .iter_mut()
                 .zip(runs)
                 .zip(want)
-                .map(|((kv, run), w)| m.forward(kv, run, *w))
+                .map(|((state, run), w)| m.forward(state, run, *w))
                 .collect(),
         }
     }
