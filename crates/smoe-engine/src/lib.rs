@@ -9,6 +9,7 @@ pub mod gpu;
 pub mod model;
 pub mod rope;
 pub mod sampler;
+pub mod spec;
 pub mod state;
 pub mod store;
 pub mod tokenizer;

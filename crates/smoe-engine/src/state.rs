@@ -9,7 +9,7 @@
 //! device memory (`gpu::GpuKv`, created at the first pass) and only the positions live here.
 
 use crate::error::EngineError;
-use crate::model::spec::StateKind;
+use crate::spec::StateKind;
 
 /// One layer's state on the CPU.
 #[derive(Debug, Clone)]

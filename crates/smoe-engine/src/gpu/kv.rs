@@ -12,11 +12,11 @@ use super::record::{Dispatch, Recorder};
 use super::weights::Weights;
 use super::{batch_sizes, gpu_err};
 use crate::error::EngineError;
+use crate::spec::{Mixer, ModelSpec};
 use smoe_compute::gpu::{
     wgpu, AttnDesc, BufRef, DecodeAttention, FusedRope, GpuContext, Launch, PrefillAttention,
     PrefillAttnTuning, QkNormRope, QkNormRopeDesc,
 };
-use smoe_vault::ModelConfig;
 use std::sync::{Mutex, Weak};
 
 pub struct GpuKv {
@@ -139,7 +139,7 @@ impl Dispatch for Attention {
 /// What the attention dispatches need besides the cache.
 pub(crate) struct AttnCtx<'a> {
     pub ctx: &'a GpuContext,
-    pub cfg: &'a ModelConfig,
+    pub spec: &'a ModelSpec,
     pub w: &'a Weights,
     pub a: &'a Acts,
     /// The step uniform: the position of the batch's first token.
@@ -154,22 +154,26 @@ impl GpuKv {
         owner: u64,
         pool: Weak<KvPool>,
     ) -> Result<Self, EngineError> {
-        let c = x.cfg;
-        let (hd, kw) = (c.head_dim, c.num_kv_heads * c.head_dim);
-        let bytes = 4 * (capacity * kw) as u64;
+        // Each layer's state, as its mixer keeps it (`spec::Mixer::state`): keys and values.
+        let attention: Vec<_> = (x.spec.layers.iter())
+            .map(|l| match &l.mixer {
+                Mixer::Attention(a) => a,
+            })
+            .collect();
         let max = x.ctx.limits().max_buffer_size;
-        if bytes > max {
-            return Err(EngineError::Backend(format!(
-                "GPU: a KV cache of {capacity} positions needs {bytes}-byte buffers per layer, the \
-                 adapter's largest is {max} (lower --ctx)"
-            )));
+        let mut k = vec![];
+        let mut v = vec![];
+        for (l, a) in attention.iter().enumerate() {
+            let bytes = 4 * (capacity * a.kv_heads * a.head_dim) as u64;
+            if bytes > max {
+                return Err(EngineError::Backend(format!(
+                    "GPU: a KV cache of {capacity} positions needs {bytes}-byte buffers per \
+                     layer, the adapter's largest is {max} (lower --ctx)"
+                )));
+            }
+            k.push(x.ctx.storage_buffer(&format!("k cache {l}"), bytes));
+            v.push(x.ctx.storage_buffer(&format!("v cache {l}"), bytes));
         }
-        let k: Vec<_> = (0..c.num_layers)
-            .map(|l| x.ctx.storage_buffer(&format!("k cache {l}"), bytes))
-            .collect();
-        let v: Vec<_> = (0..c.num_layers)
-            .map(|l| x.ctx.storage_buffer(&format!("v cache {l}"), bytes))
-            .collect();
         let mut ops = vec![];
         for n in batch_sizes() {
             let mut per_layer = vec![];
@@ -179,20 +183,22 @@ impl GpuKv {
             // The same for the prefill kernel's split tiles.
             let mut prefill_scratch: Option<wgpu::Buffer> = None;
             for (l, lw) in x.w.layers.iter().enumerate() {
-                let r = rope_inputs(lw, x.a, c, n);
+                let at = attention[l];
+                let hd = at.head_dim;
+                let r = rope_inputs(lw, x.a, at, n);
                 let desc = AttnDesc {
                     q: r.q,
                     k_cache: BufRef::new(&k[l]),
                     v_cache: BufRef::new(&v[l]),
                     out: BufRef::new(&x.a.attn),
                     step: x.step,
-                    n_heads: c.num_heads,
-                    n_kv_heads: c.num_kv_heads,
+                    n_heads: at.heads,
+                    n_kv_heads: at.kv_heads,
                     head_dim: hd,
                     n_tokens: n,
                     capacity,
                     scale: (hd as f32).powf(-0.5),
-                    window: c.sliding_window,
+                    window: at.window,
                 };
                 let rope = FusedRope {
                     k: r.k,
@@ -201,7 +207,7 @@ impl GpuKv {
                     inv_freq: BufRef::new(&x.w.inv_freq),
                     rot_dim: hd,
                     rope_scale: x.rope_scale,
-                    eps: c.rms_norm_eps as f32,
+                    eps: x.spec.eps,
                 };
                 // One token: the decode attention normalizes, rotates and appends itself.
                 let fused = (n == 1).then_some(rope);

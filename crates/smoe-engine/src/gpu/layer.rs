@@ -1,6 +1,7 @@
-//! One decoder layer's dispatches for a batch of n tokens, recorded at load: everything except
-//! the QK-norm/RoPE/KV-append and attention dispatches, which bind a sequence's KV cache and live
-//! in `kv.rs`. The math is `model::decoder`'s:
+//! The GPU executor's lowering of one layer of the model description (`spec::LayerSpec`) to
+//! dispatches for a batch of n tokens, recorded at load: everything except the
+//! QK-norm/RoPE/KV-append and attention dispatches, which bind a sequence's KV cache and live in
+//! `kv.rs`. The math is the CPU executor's (`model::cpu`):
 //!
 //! h = n1(x); q, k, v = proj(h) (+ bias) → qk-norm → clip → rope, KV append, attention
 //! x += o(attn);  h = n2(x);  x += Σ_top-k w_e · expert_e(h) + σ(g·h) · shared(h)   or   mlp(h)
@@ -22,16 +23,17 @@
 
 use super::acts::{Acts, AHEAD_MAX};
 use super::gpu_err;
+use super::kv::GpuKv;
 use super::record::{Dispatch, Recorder};
 use super::weights::{FfnW, LayerW, Mlp, Packed};
 use super::T_MAX;
 use crate::error::EngineError;
+use crate::spec::{Attention, Ffn, LayerSpec, Mixer};
 use smoe_compute::gpu::{
     wgpu, BufRef, EltOp, Eltwise, ExpertSort, Fuse, GpuContext, Grouped, MatMul, MatMulDesc,
     MatMulGrouped, MatMulTuning, MatVec, MatVecDesc, NextRoute, RmsNorm, RouteTail, Router,
     SumTail, WeightRef, WeightedSum,
 };
-use smoe_vault::ModelConfig;
 
 /// A recorded dispatch and the step of the layer it belongs to (the label of the time
 /// breakdown).
@@ -62,16 +64,16 @@ pub(crate) struct RopeIn<'a> {
     pub norms: Option<(BufRef<'a>, BufRef<'a>)>,
 }
 
-/// The qk-norm is fused into the RoPE kernel when it is per head and nothing (clip_qkv) must
+/// The qk-norm is fused into the RoPE kernel when it is per head and nothing (a clip) must
 /// happen between the norm and the rotation; otherwise it runs as a separate RMSNorm.
-fn separate_norm(w: &LayerW, c: &ModelConfig) -> bool {
-    w.qk_norm.as_ref().is_some_and(|((_, lq), (_, lk))| {
-        *lq != c.head_dim || *lk != c.head_dim || c.clip_qkv.is_some()
-    })
+fn separate_norm(at: &Attention) -> bool {
+    at.qk_norm
+        .as_ref()
+        .is_some_and(|n| !n.per_head || at.clip.is_some())
 }
 
-pub(crate) fn rope_inputs<'a>(w: &'a LayerW, a: &'a Acts, c: &ModelConfig, n: usize) -> RopeIn<'a> {
-    if separate_norm(w, c) {
+pub(crate) fn rope_inputs<'a>(w: &'a LayerW, a: &'a Acts, at: &Attention, n: usize) -> RopeIn<'a> {
+    if separate_norm(at) {
         return RopeIn {
             q: a.qn(n),
             k: a.kn(n),
@@ -111,7 +113,8 @@ pub(crate) struct LayerOps {
 /// Batches at least this large take the GEMM path.
 pub(crate) const GEMM_MIN: usize = 8;
 
-struct B<'a> {
+/// What lowering a layer for n tokens needs: the device, the activations and the batch size.
+struct Lowering<'a> {
     ctx: &'a GpuContext,
     a: &'a Acts,
     n: usize,
@@ -128,9 +131,9 @@ enum Input<'a> {
     Fused(BufRef<'a>, f32),
 }
 
-impl B<'_> {
+impl Lowering<'_> {
     #[allow(clippy::too_many_arguments)]
-    fn mv(
+    fn matvec(
         &self,
         step: &'static str,
         w: WeightRef,
@@ -250,7 +253,7 @@ impl B<'_> {
                 normalize,
             });
         }
-        let mut ops = vec![self.mv(step, router.w(0), None, x, logits, None, fuse)?];
+        let mut ops = vec![self.matvec(step, router.w(0), None, x, logits, None, fuse)?];
         if !tail {
             top_k(&mut ops)?;
         }
@@ -279,7 +282,7 @@ impl B<'_> {
         ops: &mut Vec<Op>,
     ) -> Result<(), EngineError> {
         if !self.gemm {
-            ops.push(self.mv_add(step, w, y)?);
+            ops.push(self.matvec_add(step, w, y)?);
             return Ok(());
         }
         let (tmp, ones) = (BufRef::new(&self.a.tmp), BufRef::new(&self.a.ones));
@@ -328,11 +331,11 @@ impl B<'_> {
             }),
             ..Fuse::default()
         };
-        self.mv("o proj + router", w, None, y, BufRef::new(&a.x), None, fuse)
+        self.matvec("o proj + router", w, None, y, BufRef::new(&a.x), None, fuse)
     }
 
     /// A matvec reading the block's normed input (a GEMM for a batch).
-    fn mv_in(
+    fn matvec_in(
         &self,
         step: &'static str,
         input: Input,
@@ -353,16 +356,16 @@ impl B<'_> {
             norm,
             ..Fuse::default()
         };
-        self.mv(step, w, up, x, y, grouped, fuse)
+        self.matvec(step, w, up, x, y, grouped, fuse)
     }
 
     /// x += W·y.
-    fn mv_add(&self, step: &'static str, w: WeightRef, y: BufRef) -> Result<Op, EngineError> {
+    fn matvec_add(&self, step: &'static str, w: WeightRef, y: BufRef) -> Result<Op, EngineError> {
         let fuse = Fuse {
             accumulate: true,
             ..Fuse::default()
         };
-        self.mv(step, w, None, y, BufRef::new(&self.a.x), None, fuse)
+        self.matvec(step, w, None, y, BufRef::new(&self.a.x), None, fuse)
     }
 
     /// The input of a block: a separate norm into `hn` (pushed to `ops`), or fused.
@@ -407,20 +410,79 @@ impl B<'_> {
         let a = self.a;
         let (gu, tmp) = (BufRef::new(&a.gu), BufRef::new(&a.tmp));
         let up = Some(m.up_offset());
-        ops.push(self.mv_in("mlp gate_up", input, m.gate_up.w(0), up, gu, None)?);
+        ops.push(self.matvec_in("mlp gate_up", input, m.gate_up.w(0), up, gu, None)?);
         let down = m.down.w(0);
         match (add, self.gemm) {
             (true, _) => self.proj_add("mlp down", down, gu, ops)?,
             (false, true) => ops.push(self.mm("mlp down", down, None, gu, tmp, None)?),
             (false, false) => {
-                ops.push(self.mv("mlp down", down, None, gu, tmp, None, Fuse::default())?)
+                ops.push(self.matvec("mlp down", down, None, gu, tmp, None, Fuse::default())?)
             }
         }
         Ok(())
     }
 }
 
+/// What a pass records at an MoE layer's "routes known" point, right after its router: the
+/// one place where expert residency (streaming) attaches to the layer.
+#[derive(Clone, Copy)]
+pub(crate) enum AtRoutes<'a> {
+    /// Go on with the experts (resident, or a layer without experts).
+    Run,
+    /// Record `lookahead` and end the submission here: the host reads the router's choice and
+    /// fills expert slots before the experts are recorded (`LayerOps::experts`).
+    Stop { lookahead: &'a [Op] },
+    /// Record `lookahead` and `map` (the router's choice mapped to slots on the GPU), then the
+    /// experts only with `experts`.
+    Map {
+        lookahead: &'a [Op],
+        map: &'a Op,
+        experts: bool,
+    },
+}
+
 impl LayerOps {
+    /// Records layer `l` of a pass of n tokens, in the order every pass uses: the mixer (`pre`,
+    /// then the sequence state's dispatches in `state`), the FFN's router, what `at_routes`
+    /// says, and the rest of the FFN. Returns false where it stopped at the routes.
+    pub fn record(
+        &self,
+        r: &mut Recorder,
+        state: &GpuKv,
+        (n, l): (usize, usize),
+        at_routes: AtRoutes,
+    ) -> bool {
+        self.pre.iter().for_each(|op| op.record(r));
+        state.record(n.trailing_zeros() as usize, l, r);
+        let (router, experts) = match (self.routed(), at_routes) {
+            (Some(split), AtRoutes::Stop { .. } | AtRoutes::Map { .. }) => split,
+            _ => {
+                self.post.iter().for_each(|op| op.record(r));
+                return true;
+            }
+        };
+        router.iter().for_each(|op| op.record(r));
+        match at_routes {
+            AtRoutes::Stop { lookahead } => {
+                lookahead.iter().for_each(|op| op.record(r));
+                false
+            }
+            AtRoutes::Map {
+                lookahead,
+                map,
+                experts: run,
+            } => {
+                lookahead.iter().for_each(|op| op.record(r));
+                map.record(r);
+                if run {
+                    experts.iter().for_each(|op| op.record(r));
+                }
+                run
+            }
+            AtRoutes::Run => unreachable!("matched above"),
+        }
+    }
+
     /// MoE layers: `post` split where the expert dispatches begin — (the router and what comes
     /// before it, the experts and what follows) — so that a streaming pass can stop between.
     pub fn routed(&self) -> Option<(&[Op], &[Op])> {
@@ -438,21 +500,24 @@ impl LayerOps {
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         ctx: &GpuContext,
-        w: &LayerW,
+        (layer, w): (&LayerSpec, &LayerW),
         a: &Acts,
-        c: &ModelConfig,
+        eps: f32,
         n: usize,
         next_routers: &[&Packed],
     ) -> Result<Self, EngineError> {
-        let b = B {
+        let Mixer::Attention(at) = &layer.mixer;
+        let b = Lowering {
             ctx,
             a,
             n,
             gemm: n >= GEMM_MIN,
-            norm_topk: c.norm_topk_prob,
+            norm_topk: match &layer.ffn {
+                Ffn::Moe(m) => m.routing.renormalize,
+                Ffn::Dense(_) => false,
+            },
         };
         let d = a.d;
-        let eps = c.rms_norm_eps as f32;
         let mut pre = vec![];
         // q, k, v: one matvec over the three stacked matrices when a batch is one token, with
         // the input norm fused in; one GEMM over them, writing q, k and v apart, for a batch on
@@ -460,7 +525,7 @@ impl LayerOps {
         match w.qkv.fused() {
             Some(fw) if n == 1 => {
                 let input = b.input(true, &w.input_norm, eps, &mut pre)?;
-                pre.push(b.mv_in("qkv", input, fw, None, a.q(1), None)?);
+                pre.push(b.matvec_in("qkv", input, fw, None, a.q(1), None)?);
             }
             fused => {
                 let input = b.input(false, &w.input_norm, eps, &mut pre)?;
@@ -477,7 +542,7 @@ impl LayerOps {
                             tracing::debug!("q, k and v in three GEMMs: {e}");
                         }
                         for (i, y) in [a.q(n), a.k(n), a.v(n)].into_iter().enumerate() {
-                            pre.push(b.mv_in("qkv", input, w.qkv.w(i), None, y, None)?);
+                            pre.push(b.matvec_in("qkv", input, w.qkv.w(i), None, y, None)?);
                         }
                     }
                 }
@@ -497,14 +562,14 @@ impl LayerOps {
                 pre.push(b.elt("qkv bias", y, n * width, op)?);
             }
         }
-        if separate_norm(w, c) {
+        if separate_norm(at) {
             let ((qn, lq), (kn, lk)) = w.qk_norm.as_ref().expect("checked by separate_norm");
             let (q, k) = (BufRef::new(qn), BufRef::new(kn));
             pre.push(b.norm("qk norm", a.q(n), q, a.qn(n), *lq, n * d.qw / lq, eps)?);
             pre.push(b.norm("qk norm", a.k(n), k, a.kn(n), *lk, n * d.kw / lk, eps)?);
         }
-        if let Some(clip) = c.clip_qkv {
-            let r = rope_inputs(w, a, c, n);
+        if let Some(clip) = at.clip {
+            let r = rope_inputs(w, a, at, n);
             for (y, width) in [(r.q, d.qw), (r.k, d.kw), (r.v, d.kw)] {
                 pre.push(b.elt("clip qkv", y, n * width, EltOp::Clamp(clip))?);
             }
@@ -558,7 +623,7 @@ impl LayerOps {
                     BufRef::new(&a.ids),
                     BufRef::new(&a.rw),
                 );
-                // The router (`B::route`): for decode a matvec with the norm fused in, which also
+                // The router (`Lowering::route`): for decode a matvec with the norm fused in, which also
                 // writes the normed input to hn, which the experts and the lookahead then read
                 // instead of each of their workgroups renormalizing x; for a chunk a GEMM of hn.
                 let hn = BufRef::new(&a.hn);
@@ -616,7 +681,7 @@ impl LayerOps {
                     post.push(b.add_to_x("experts sum", eo, rw, k)?);
                 } else {
                     let grouped_gu = Some(grouped(k));
-                    post.push(b.mv_in("experts gate_up", input, gate, up, gu, grouped_gu)?);
+                    post.push(b.matvec_in("experts gate_up", input, gate, up, gu, grouped_gu)?);
                     // Each slot's down projection on its own (a workgroup per 16 rows of one
                     // expert), then the weighted sum into x: one dispatch more than the fused
                     // reduce (`Fuse::reduce`, a workgroup per 16 rows of all k experts), but the
@@ -636,16 +701,24 @@ impl LayerOps {
                             sum_into: Some(sum),
                             ..Fuse::default()
                         };
-                        post.push(b.mv("experts down", down, None, gu, eo, g, fuse)?);
+                        post.push(b.matvec("experts down", down, None, gu, eo, g, fuse)?);
                     } else {
-                        post.push(b.mv("experts down", down, None, gu, eo, g, Fuse::default())?);
+                        post.push(b.matvec(
+                            "experts down",
+                            down,
+                            None,
+                            gu,
+                            eo,
+                            g,
+                            Fuse::default(),
+                        )?);
                         post.push(b.add_to_x("experts sum", eo, rw, k)?);
                     }
                 }
                 if let Some((m, gate)) = shared {
                     b.mlp(m, input, false, &mut post)?;
                     let (sg, tmp) = (BufRef::new(&a.sg), BufRef::new(&a.tmp));
-                    post.push(b.mv_in("shared gate", input, gate.w(0), None, sg, None)?);
+                    post.push(b.matvec_in("shared gate", input, gate.w(0), None, sg, None)?);
                     post.push(b.elt("shared gate", sg, n, EltOp::Sigmoid)?);
                     let sum = WeightedSum::new(ctx, BufRef::new(&a.x), tmp, sg, d.h, 1, n);
                     post.push(Op::new("shared sum", sum.map_err(gpu_err)?));

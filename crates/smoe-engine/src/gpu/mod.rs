@@ -26,7 +26,7 @@ pub(crate) use acts::{Acts, AHEAD_MAX};
 pub(crate) use head::{extend_f32, Head, Readback};
 pub use kv::GpuKv;
 pub(crate) use kv::{AttnCtx, KvPool};
-pub(crate) use layer::{LayerOps, Op, GEMM_MIN};
+pub(crate) use layer::{AtRoutes, LayerOps, Op, GEMM_MIN};
 pub(crate) use record::Recorder;
 pub(crate) use slots::SlotWriter;
 pub(crate) use weights::{FfnW, Packed, SlotPlan, Weights};

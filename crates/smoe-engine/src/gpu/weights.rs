@@ -5,10 +5,12 @@
 //! buffer at the vault's blob stride, so a grouped matvec picks experts by the router's ids.
 
 use crate::error::EngineError;
+use crate::spec::{self, Ffn, LayerSpec, Mixer, ModelSpec};
 use crate::rope::RopeTable;
 use smoe_compute::gpu::{wgpu, GpuContext, WeightRef};
 use smoe_vault::format::ExpertPart;
-use smoe_vault::{DType, FfnKind, ModelConfig, TensorData, Vault};
+use smoe_vault::tensors::Tensor;
+use smoe_vault::{DType, TensorData, Vault};
 
 /// A matrix `[rows, cols]` at `offset` of `buf`.
 #[derive(Clone, Copy)]
@@ -144,20 +146,20 @@ struct Loader<'a> {
 }
 
 impl Loader<'_> {
-    fn tensor(&self, name: &str) -> Result<TensorData, EngineError> {
-        Ok(self.vault.tensor(name)?)
+    fn tensor(&self, t: Tensor) -> Result<TensorData, EngineError> {
+        Ok(self.vault.tensor(&t.name())?)
     }
 
-    fn vector(&self, name: &str) -> Result<(wgpu::Buffer, usize), EngineError> {
-        let v = self.tensor(name)?.to_f32();
-        Ok((self.ctx.upload_f32(name, &v), v.len()))
+    fn vector(&self, t: Tensor) -> Result<(wgpu::Buffer, usize), EngineError> {
+        let v = self.tensor(t)?.to_f32();
+        Ok((self.ctx.upload_f32(&t.name(), &v), v.len()))
     }
 
     /// Uploads tensors back to back into one buffer.
-    fn packed(&self, names: &[String]) -> Result<Packed, EngineError> {
-        let ts = names
+    fn packed(&self, tensors: &[Tensor]) -> Result<Packed, EngineError> {
+        let ts = tensors
             .iter()
-            .map(|n| self.tensor(n))
+            .map(|&t| self.tensor(t))
             .collect::<Result<Vec<_>, _>>()?;
         let mut mats = vec![];
         let mut offset = 0u64;
@@ -181,6 +183,7 @@ impl Loader<'_> {
             offset += m.bytes();
             mats.push(m);
         }
+        let names: Vec<String> = tensors.iter().map(|t| t.name()).collect();
         let buf = self.buffer(&names.join("+"), offset)?;
         for (t, m) in ts.iter().zip(&mats) {
             self.ctx.queue.write_buffer(&buf, m.offset, t.bytes());
@@ -198,26 +201,24 @@ impl Loader<'_> {
         Ok(self.ctx.storage_buffer(label, bytes))
     }
 
-    fn mlp(&self, p: &str) -> Result<Mlp, EngineError> {
-        let gate_up = self.packed(&[
-            format!("{p}.gate_proj.weight"),
-            format!("{p}.up_proj.weight"),
-        ])?;
+    fn mlp(&self, m: &spec::Mlp) -> Result<Mlp, EngineError> {
+        let gate_up = self.packed(&[m.gate, m.up])?;
         let (g, u) = (gate_up.mats[0], gate_up.mats[1]);
         if (g.dtype, g.rows, g.cols) != (u.dtype, u.rows, u.cols) {
             return Err(EngineError::Backend(format!(
-                "GPU: {p}: gate and up differ in type or shape"
+                "GPU: {}: gate and up differ in type or shape",
+                m.gate.name()
             )));
         }
         Ok(Mlp {
             gate_up,
-            down: self.packed(&[format!("{p}.down_proj.weight")])?,
+            down: self.packed(&[m.down])?,
         })
     }
 
     /// All experts of layer `l` in one buffer, each blob verified against its checksum; or, when
     /// streaming, an empty buffer of `slots` blob slots.
-    fn experts(&self, l: usize) -> Result<ExpertStack, EngineError> {
+    fn experts(&self, l: usize, moe: &spec::Moe) -> Result<ExpertStack, EngineError> {
         let cfg = &self.vault.header.config;
         let sec = self
             .vault
@@ -241,7 +242,7 @@ impl Loader<'_> {
                 "GPU: expert up_proj must follow gate_proj with the same type and shape".into(),
             ));
         }
-        let n = cfg.num_experts;
+        let n = moe.experts;
         let slots = self.slots.map_or(n, |s| s.clamp(1, n));
         let label = format!("layer {l} experts");
         let bytes = slots as u64 * sec.blob_stride;
@@ -288,48 +289,39 @@ impl Loader<'_> {
         })
     }
 
-    fn layer(&self, cfg: &ModelConfig, l: usize) -> Result<LayerW, EngineError> {
-        let p = format!("model.layers.{l}");
-        let a = format!("{p}.self_attn");
-        let proj = |x: &str| format!("{a}.{x}_proj.weight");
-        let ffn = match cfg.ffn[l] {
-            FfnKind::Dense => FfnW::Dense(self.mlp(&format!("{p}.mlp"))?),
-            FfnKind::Moe => FfnW::Moe {
-                router: self.packed(&[format!("{p}.mlp.gate.weight")])?,
-                experts: self.experts(l)?,
-                shared: if cfg.shared_expert_intermediate_size > 0 {
-                    Some((
-                        self.mlp(&format!("{p}.mlp.shared_expert"))?,
-                        self.packed(&[format!("{p}.mlp.shared_expert_gate.weight")])?,
-                    ))
-                } else {
-                    None
+    fn layer(&self, layer: &LayerSpec) -> Result<LayerW, EngineError> {
+        let l = layer.index;
+        let ffn = match &layer.ffn {
+            Ffn::Dense(m) => FfnW::Dense(self.mlp(m)?),
+            Ffn::Moe(moe) => FfnW::Moe {
+                router: self.packed(&[moe.router])?,
+                experts: self.experts(l, moe)?,
+                shared: match &moe.shared {
+                    Some(s) => Some((self.mlp(&s.mlp)?, self.packed(&[s.gate])?)),
+                    None => None,
                 },
             },
         };
-        let bias = if cfg.qkv_bias {
-            let mut b = vec![];
-            for x in ["q", "k", "v"] {
-                b.extend(self.tensor(&format!("{a}.{x}_proj.bias"))?.to_f32());
+        let Mixer::Attention(a) = &layer.mixer;
+        let bias = match a.bias {
+            Some(tensors) => {
+                let mut b = vec![];
+                for t in tensors {
+                    b.extend(self.tensor(t)?.to_f32());
+                }
+                Some(self.ctx.upload_f32("qkv bias", &b))
             }
-            Some(self.ctx.upload_f32("qkv bias", &b))
-        } else {
-            None
+            None => None,
         };
-        let qk_norm = match cfg.qk_norm {
-            smoe_vault::config::QkNorm::None => None,
-            _ => Some((
-                self.vector(&format!("{a}.q_norm.weight"))?,
-                self.vector(&format!("{a}.k_norm.weight"))?,
-            )),
+        let qk_norm = match &a.qk_norm {
+            Some(n) => Some((self.vector(n.q)?, self.vector(n.k)?)),
+            None => None,
         };
         Ok(LayerW {
-            input_norm: self.vector(&format!("{p}.input_layernorm.weight"))?.0,
-            post_norm: self
-                .vector(&format!("{p}.post_attention_layernorm.weight"))?
-                .0,
-            qkv: self.packed(&[proj("q"), proj("k"), proj("v")])?,
-            o: self.packed(&[proj("o")])?,
+            input_norm: self.vector(layer.mixer_norm)?.0,
+            post_norm: self.vector(layer.ffn_norm)?.0,
+            qkv: self.packed(&a.qkv)?,
+            o: self.packed(&[a.o])?,
             bias,
             qk_norm,
             ffn,
@@ -361,10 +353,9 @@ impl Weights {
     pub fn upload(
         ctx: &GpuContext,
         vault: &Vault,
-        rope: &RopeTable,
+        (model, rope): (&ModelSpec, &RopeTable),
         expert_slots: Option<SlotPlan>,
     ) -> Result<Self, EngineError> {
-        let cfg = &vault.header.config;
         let ld = Loader {
             ctx,
             vault,
@@ -373,23 +364,19 @@ impl Weights {
             vram_limit: expert_slots.and_then(|s| s.vram_limit),
         };
         let mut layers = vec![];
-        for l in 0..cfg.num_layers {
-            layers.push(ld.layer(cfg, l)?);
+        for layer in &model.layers {
+            layers.push(ld.layer(layer)?);
             // wgpu stages written bytes in host memory until a submission: flush per layer so
             // that staging never holds more than one layer of a large model.
             ctx.submit_wait(ctx.encoder());
         }
-        let head = if cfg.tie_word_embeddings {
-            "model.embed_tokens.weight"
-        } else {
-            "lm_head.weight"
-        };
+        let tied = model.lm_head == model.embed;
         let w = Weights {
             layers,
-            norm: ld.vector("model.norm.weight")?.0,
-            lm_head: ld.packed(&[head.to_string()])?,
-            embed: match expert_slots.is_none() && !cfg.tie_word_embeddings {
-                true => Some(ld.packed(&["model.embed_tokens.weight".to_string()])?),
+            norm: ld.vector(model.final_norm)?.0,
+            lm_head: ld.packed(&[model.lm_head])?,
+            embed: match expert_slots.is_none() && !tied {
+                true => Some(ld.packed(&[model.embed])?),
                 false => None,
             },
             inv_freq: ctx.upload_f32("rope inv_freq", rope.inv_freq()),

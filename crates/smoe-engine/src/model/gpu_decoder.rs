@@ -21,8 +21,8 @@
 use super::{mat, Logits};
 use crate::error::EngineError;
 use crate::gpu::{
-    self, Acts, FfnW, GpuKv, Head, KvPool, LayerOps, Readback, Recorder, SlotPlan, Weights,
-    GEMM_MIN, LOGIT_ROWS, T_MAX,
+    self, Acts, AtRoutes, FfnW, GpuKv, Head, KvPool, LayerOps, Readback, Recorder, SlotPlan,
+    Weights, GEMM_MIN, LOGIT_ROWS, T_MAX,
 };
 use crate::rope::RopeTable;
 use crate::state::SeqState;
@@ -48,7 +48,7 @@ use through::Through;
 pub struct GpuDecoder {
     pub cfg: ModelConfig,
     /// The model's description (`families::describe`).
-    pub spec: super::spec::ModelSpec,
+    pub spec: crate::spec::ModelSpec,
     ctx: Arc<GpuContext>,
     /// Tells this model's KV caches from another's.
     id: u64,
@@ -249,6 +249,7 @@ impl GpuDecoder {
         (slot_cap, room): (Option<usize>, Option<u64>),
     ) -> Result<Self, EngineError> {
         static IDS: AtomicU64 = AtomicU64::new(1);
+        let spec = crate::spec::families::describe(&cfg);
         let rope = RopeTable::new(&cfg.rope, cfg.head_dim);
         // On unified memory a host cache beside mapped slots would hold the same experts in
         // the same RAM twice: there disk reads land in the slots themselves (`SlotWriter::
@@ -334,7 +335,7 @@ impl GpuDecoder {
         let weights = Weights::upload(
             ctx,
             vault,
-            &rope,
+            (&spec, &rope),
             streaming.as_ref().map(|s| SlotPlan {
                 slots: s.slots,
                 mapped: store.mapped_slots,
@@ -406,7 +407,7 @@ impl GpuDecoder {
             }
             None => None,
         };
-        let eps = cfg.rms_norm_eps as f32;
+        let eps = spec.eps;
         let mut batches = vec![];
         // Streaming: each MoE layer also predicts the next MoE layers' experts (lookahead).
         let depth = streaming.as_ref().map_or(0, |st| st.lookahead.depth);
@@ -420,14 +421,14 @@ impl GpuDecoder {
                 .collect()
         };
         for n in gpu::batch_sizes() {
-            let layers = (weights.layers.iter().enumerate())
-                .map(|(l, w)| LayerOps::new(ctx, w, &acts, &cfg, n, &next_routers(l)))
+            let layers = (spec.layers.iter().zip(&weights.layers).enumerate())
+                .map(|(l, lw)| LayerOps::new(ctx, lw, &acts, eps, n, &next_routers(l)))
                 .collect::<Result<Vec<_>, _>>()?;
             batches.push((layers, Head::new(ctx, &weights, &acts, eps, n)?));
         }
         Ok(GpuDecoder {
             id: IDS.fetch_add(1, Ordering::Relaxed),
-            spec: super::families::describe(&cfg),
+            spec,
             embed: vault.tensor("model.embed_tokens.weight")?,
             step: ctx.step_buffer(),
             rope_scale: rope.scale(),
@@ -450,7 +451,7 @@ impl GpuDecoder {
     fn kv(&self, capacity: usize) -> Result<GpuKv, EngineError> {
         let x = gpu::AttnCtx {
             ctx: &self.ctx,
-            cfg: &self.cfg,
+            spec: &self.spec,
             w: &self.weights,
             a: &self.acts,
             step: &self.step,
@@ -752,15 +753,14 @@ impl GpuDecoder {
                 resume = false;
                 ops.experts().iter().for_each(|op| op.record(r));
             } else {
-                ops.pre.iter().for_each(|op| op.record(r));
-                gkv.record(n.trailing_zeros() as usize, l, r);
-                match ops.routed().filter(|_| self.streaming.is_some()) {
-                    Some((router, _)) => {
-                        router.iter().for_each(|op| op.record(r));
-                        ops.lookahead.iter().for_each(|op| op.record(r));
-                        return Stop::Route(l);
-                    }
-                    None => ops.post.iter().for_each(|op| op.record(r)),
+                let at_routes = match self.streaming {
+                    Some(_) => AtRoutes::Stop {
+                        lookahead: &ops.lookahead,
+                    },
+                    None => AtRoutes::Run,
+                };
+                if !ops.record(r, gkv, (n, l), at_routes) {
+                    return Stop::Route(l);
                 }
             }
             if (l + 1) % submit_every == 0 && l + 1 < layers.len() {

@@ -1,13 +1,12 @@
-//! Models: a family is described as data (`spec`, `families`); the CPU executor (`cpu`)
-//! interprets the description and the GPU executor (`gpu_decoder`) lowers it to recorded
-//! dispatches. `Model` is whichever of the two runs.
+//! The two executors of a model description (`crate::spec`): the CPU executor (`cpu`)
+//! interprets it and the GPU executor (`gpu_decoder`) lowers it to recorded dispatches. `Model`
+//! is whichever of the two runs.
 
 pub mod cpu;
-pub mod families;
 pub mod gpu_decoder;
-pub mod spec;
 
 use crate::error::EngineError;
+use crate::spec::{self, families};
 use crate::state::SeqState;
 use smoe_compute::cpu::QMatRef;
 use smoe_vault::{ModelConfig, TensorData, Vault};

@@ -2,7 +2,7 @@
 //! clip → RoPE; each sequence appends its keys and values to its layer state and attends over
 //! them; x += o(attention).
 
-use super::super::spec::Attention;
+use crate::spec::Attention;
 use super::super::{mat, Scratch};
 use super::ffn::{add_into, add_rows};
 use crate::error::EngineError;

@@ -3,7 +3,7 @@
 //! pass) with an optional sigmoid-gated shared expert. The routed experts come from the expert
 //! store (`Experts::for_each`), which also starts the lookahead's reads when streaming.
 
-use super::super::spec::{Ffn, Moe};
+use crate::spec::{Ffn, Moe};
 use super::super::{mat, Scratch};
 use super::CpuModel;
 use crate::error::EngineError;
@@ -30,7 +30,7 @@ pub(super) enum FfnW {
 impl FfnW {
     pub fn load(vault: &Vault, ffn: &Ffn) -> Result<Self, EngineError> {
         let t = |t: Tensor| vault.tensor(&t.name());
-        let mlp = |m: &super::super::spec::Mlp| -> Result<MlpW, EngineError> {
+        let mlp = |m: &crate::spec::Mlp| -> Result<MlpW, EngineError> {
             Ok(MlpW {
                 gate: t(m.gate)?,
                 up: t(m.up)?,

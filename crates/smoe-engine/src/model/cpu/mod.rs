@@ -12,7 +12,7 @@
 mod attention;
 mod ffn;
 
-use super::spec::{Ffn, Mixer, ModelSpec};
+use crate::spec::{Ffn, Mixer, ModelSpec};
 use super::{mat, Logits, Scratch};
 use crate::error::EngineError;
 use crate::rope::RopeTable;

@@ -36,7 +36,9 @@ use super::oracle::Oracle;
 use super::streaming::{distinct, Streaming};
 use super::{add_idle, nanos, record_head, End, GpuDecoder};
 use crate::error::EngineError;
-use crate::gpu::{Acts, GpuKv, Head, LayerOps, Op, Readback, Recorder, AHEAD_MAX, GEMM_MIN, T_MAX};
+use crate::gpu::{
+    Acts, AtRoutes, GpuKv, Head, LayerOps, Op, Readback, Recorder, AHEAD_MAX, GEMM_MIN, T_MAX,
+};
 use crate::store::{Lookahead, Recall};
 use smoe_compute::gpu::{
     wgpu, BufRef, GpuContext, IndirectArgs, SlotGuess, SlotMap, SlotMapBufs, NO_SLOT,
@@ -228,8 +230,8 @@ impl Through {
 }
 
 /// Records layer `l` of a pass that maps its router's choice to slots on the GPU (`map`, MoE
-/// layers): attention, the router, then `lookahead` (ops recorded before the map), the map and,
-/// with `experts`, the experts and what follows them; a layer without a map records all of it.
+/// layers; `LayerOps::record`): attention, the router, `lookahead`, the map and, with `experts`,
+/// the experts and what follows them; a layer without a map records all of it.
 fn record_layer(
     r: &mut Recorder,
     (ops, gkv, n, l): (&LayerOps, &GpuKv, usize, usize),
@@ -237,19 +239,15 @@ fn record_layer(
     lookahead: &[Op],
     experts: bool,
 ) {
-    ops.pre.iter().for_each(|op| op.record(r));
-    gkv.record(n.trailing_zeros() as usize, l, r);
-    match (ops.routed(), map) {
-        (Some((router, rest)), Some(map)) => {
-            router.iter().for_each(|op| op.record(r));
-            lookahead.iter().for_each(|op| op.record(r));
-            map.record(r);
-            if experts {
-                rest.iter().for_each(|op| op.record(r));
-            }
-        }
-        _ => ops.post.iter().for_each(|op| op.record(r)),
-    }
+    let at_routes = match map {
+        Some(map) => AtRoutes::Map {
+            lookahead,
+            map,
+            experts,
+        },
+        None => AtRoutes::Run,
+    };
+    ops.record(r, gkv, (n, l), at_routes);
 }
 
 /// What one window's submission read back.

@@ -3,7 +3,7 @@
 //! Adding a family is adding a function here (and its `Architecture` in smoe-vault): see
 //! `docs/architecture.md`.
 
-use super::spec::{self, decoder, gqa, layer, mlp, moe, Ffn, Mixer, ModelSpec};
+use crate::spec::{self, decoder, gqa, layer, mlp, moe, Ffn, Mixer, ModelSpec};
 use smoe_vault::{Architecture, FfnKind, ModelConfig};
 
 /// The description of the model a configuration names.

@@ -1,11 +1,13 @@
 //! A model as data: per layer, a token mixer and a feed-forward block, each built from shared
-//! blocks and naming its tensors through `smoe_vault::tensors`. A family (`families.rs`) is a
+//! blocks and naming its tensors through `smoe_vault::tensors`. A family (`families`) is a
 //! short function from a configuration to this description; the CPU executor interprets it and
 //! the GPU executor lowers it to recorded dispatches. Neither the description nor a family names
 //! a kernel or a backend.
 
 use smoe_vault::tensors::{MlpPart, Qkv, Tensor};
 use smoe_vault::ModelConfig;
+
+pub mod families;
 
 /// The whole model: embedding, layers, final norm and LM head.
 #[derive(Debug, Clone)]
