@@ -336,3 +336,55 @@ pub fn estimate_bytes(cfg: &ModelConfig, opts: SynthOptions) -> u64 {
     2 * m(opts.scout, cfg.vocab_size, h)
         + cfg.num_layers as u64 * (per_layer + cfg.num_experts as u64 * used)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The whole vault `synth` writes for the tiny preset, hashed.
+    fn tiny_vault_hash(scout: DType, experts: DType, router_skew: f32, seed: u64) -> (u64, u64) {
+        let cfg = preset("tiny").unwrap();
+        let opts = SynthOptions {
+            experts,
+            scout,
+            router_skew,
+            seed,
+        };
+        let out = std::io::Cursor::new(Vec::new());
+        let w = VaultWriter::new(out, std::path::Path::new("tiny.smoe")).unwrap();
+        let (len, out) = synth(
+            &cfg,
+            opts,
+            TextInfo::default(),
+            GenerationDefaults::default(),
+            w,
+            &mut |_| {},
+        )
+        .unwrap();
+        let bytes = out.into_inner();
+        assert_eq!(len, bytes.len() as u64);
+        (len, xxhash_rust::xxh3::xxh3_64(&bytes))
+    }
+
+    /// A synthetic vault is a function of its options: these hashes were taken before `synth`
+    /// read its tensor list from `tensors::scout_layout`, and must not change.
+    #[test]
+    fn tiny_vaults_are_byte_identical_across_versions() {
+        let cases = [
+            (DType::Bf16, DType::Q4, 1.0, 7),
+            (DType::Q8, DType::Q8, 0.0, 1),
+            (DType::Bf16, DType::Bf16, 0.5, 42),
+            (DType::Q8, DType::Q2, 1.5, 3),
+        ];
+        let want = [
+            (14232164, 5980314568221799587),
+            (12708367, 3339891945077716947),
+            (22620784, 1963189859133708580),
+            (7465462, 13526353753610993819),
+        ];
+        for ((scout, experts, skew, seed), want) in cases.into_iter().zip(want) {
+            let got = tiny_vault_hash(scout, experts, skew, seed);
+            assert_eq!(got, want, "{scout} scout, {experts} experts, skew {skew}, seed {seed}");
+        }
+    }
+}
