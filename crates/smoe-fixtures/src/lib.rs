@@ -19,6 +19,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use smoe_vault::tensors::{layout, Tensor};
+use smoe_vault::{Architecture, FfnKind, ModelConfig};
 
 mod pyjson;
 mod sha256;
@@ -209,6 +211,7 @@ pub fn prompts(name: &str) -> Vec<Vec<u32>> {
 // ---------------------------------------------------------------------------------------------
 // tensors
 
+/// How a tensor's values are generated (see `tensor_values`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
     /// scale 1
@@ -225,8 +228,31 @@ pub enum Kind {
     Bias,
 }
 
+impl Kind {
+    /// The value rule of tensor `id` of a model whose embedding is (`tied`) or is not the LM head.
+    fn of(id: Tensor, tied: bool) -> Kind {
+        match id {
+            Tensor::Embed if tied => Kind::LmHead,
+            Tensor::Embed => Kind::Embed,
+            Tensor::LmHead => Kind::LmHead,
+            Tensor::InputNorm(_) | Tensor::PostNorm(_) | Tensor::QkNorm(..) | Tensor::FinalNorm => {
+                Kind::Norm
+            }
+            Tensor::Bias(..) => Kind::Bias,
+            // the shared expert's sigmoid gate follows the router rule (matrix scale * 4)
+            Tensor::Router(_) | Tensor::SharedGate(_) => Kind::Router,
+            Tensor::Proj(..)
+            | Tensor::OProj(_)
+            | Tensor::Mlp(..)
+            | Tensor::Shared(..)
+            | Tensor::Expert(..) => Kind::Matrix,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorSpec {
+    /// The hub checkpoint's name.
     pub name: String,
     pub shape: Vec<usize>,
     pub kind: Kind,
@@ -238,228 +264,58 @@ impl TensorSpec {
     }
 }
 
-fn cfg_usize(cfg: &Value, key: &str) -> usize {
-    cfg.get(key)
-        .and_then(Value::as_u64)
-        .unwrap_or_else(|| panic!("config.json: {key} missing or not an integer")) as usize
-}
-
-/// `num_experts`, or the newer `num_local_experts`.
-pub fn num_experts(cfg: &Value) -> usize {
-    cfg.get("num_experts")
-        .or_else(|| cfg.get("num_local_experts"))
-        .and_then(Value::as_u64)
-        .expect("num_experts or num_local_experts") as usize
-}
-
-/// How a family's q/k norms are shaped.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum QkNorm {
-    /// no q/k norm
-    None,
-    /// RMSNorm over each head: `q_norm`, `k_norm` are `[head_dim]` (Qwen3-MoE)
-    Head,
-    /// RMSNorm over the whole projection: `q_norm` `[num_heads * head_dim]`, `k_norm`
-    /// `[num_kv_heads * head_dim]` (OLMoE)
-    Projection,
-}
-
-/// What differs between the MoE families as far as the checkpoint's tensors go (transformers
-/// 5.17's modeling files); the same table as `FAMILIES` in scripts/fixtures.py.
+/// A model family the fixtures cover, by `config.json`'s model_type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Family {
     pub model_type: &'static str,
-    /// the sparse block's module name in the hub checkpoint
-    pub moe: &'static str,
-    /// an expert's gate (silu), up and down projection names
-    pub experts: [&'static str; 3],
-    /// the config key of an expert's intermediate size
-    pub expert_width: &'static str,
-    pub qk_norm: QkNorm,
-    /// q/k/v (not o) projections carry a bias
-    pub qkv_bias: bool,
-    /// a shared expert (`shared_expert_intermediate_size`) with a sigmoid gate `[1, hidden]`
-    pub shared_expert: bool,
-    /// layers can be dense (mlp_only_layers, decoder_sparse_step); else all are sparse
-    pub dense_layers: bool,
+    pub architecture: Architecture,
 }
 
-const GATE_UP_DOWN: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+const fn family_of(architecture: Architecture) -> Family {
+    Family {
+        model_type: architecture.model_type(),
+        architecture,
+    }
+}
 
+/// Every family smoe supports; what differs between their checkpoints (module and projection
+/// names, q/k norm shapes, biases, shared expert, dense layers) is `smoe_vault::tensors`' table,
+/// which `scripts/fixtures.py` spells out again in its own `FAMILIES`.
 pub const FAMILIES: [Family; 4] = [
-    Family {
-        model_type: "qwen3_moe",
-        moe: "mlp",
-        experts: GATE_UP_DOWN,
-        expert_width: "moe_intermediate_size",
-        qk_norm: QkNorm::Head,
-        qkv_bias: false,
-        shared_expert: false,
-        dense_layers: true,
-    },
-    Family {
-        model_type: "mixtral",
-        moe: "block_sparse_moe",
-        experts: ["w1", "w3", "w2"],
-        expert_width: "intermediate_size",
-        qk_norm: QkNorm::None,
-        qkv_bias: false,
-        shared_expert: false,
-        dense_layers: false,
-    },
-    Family {
-        model_type: "olmoe",
-        moe: "mlp",
-        experts: GATE_UP_DOWN,
-        expert_width: "intermediate_size",
-        qk_norm: QkNorm::Projection,
-        qkv_bias: false,
-        shared_expert: false,
-        dense_layers: false,
-    },
-    Family {
-        model_type: "qwen2_moe",
-        moe: "mlp",
-        experts: GATE_UP_DOWN,
-        expert_width: "moe_intermediate_size",
-        qk_norm: QkNorm::None,
-        qkv_bias: true,
-        shared_expert: true,
-        dense_layers: true,
-    },
+    family_of(Architecture::ALL[0]),
+    family_of(Architecture::ALL[1]),
+    family_of(Architecture::ALL[2]),
+    family_of(Architecture::ALL[3]),
 ];
 
-/// The family of `config.json` (by `model_type`); Qwen2-MoE's `qkv_bias` (default true) is read
-/// from the config.
-pub fn family(cfg: &Value) -> Family {
-    let mt = cfg
-        .get("model_type")
-        .and_then(Value::as_str)
-        .expect("config.json: model_type");
-    let mut fam = *FAMILIES
-        .iter()
-        .find(|f| f.model_type == mt)
-        .unwrap_or_else(|| panic!("unsupported model_type {mt:?}"));
-    assert!(
-        !cfg.get("attention_bias")
-            .and_then(Value::as_bool)
-            .unwrap_or(false),
-        "{mt}: attention_bias true is not generated"
-    );
-    if mt == "qwen2_moe" {
-        fam.qkv_bias = cfg.get("qkv_bias").and_then(Value::as_bool).unwrap_or(true);
-    }
-    fam
+/// `config.json` as smoe reads it; panics on a config smoe rejects.
+fn model_config(cfg: &Value) -> ModelConfig {
+    ModelConfig::from_hf(cfg).unwrap_or_else(|e| panic!("config.json: {e}"))
 }
 
 /// `head_dim`, or hidden_size / num_attention_heads.
 pub fn head_dim(cfg: &Value) -> usize {
-    cfg.get("head_dim")
-        .and_then(Value::as_u64)
-        .map(|v| v as usize)
-        .unwrap_or_else(|| cfg_usize(cfg, "hidden_size") / cfg_usize(cfg, "num_attention_heads"))
+    model_config(cfg).head_dim
 }
 
 /// Qwen-MoE's rule: sparse iff not in mlp_only_layers and (layer + 1) % decoder_sparse_step == 0;
 /// Mixtral and OLMoE have only sparse layers.
-// `is_multiple_of` needs Rust 1.87; the workspace's rust-version is 1.85.
-#[allow(clippy::manual_is_multiple_of)]
 pub fn layer_is_sparse(cfg: &Value, layer: usize) -> bool {
-    if !family(cfg).dense_layers {
-        return true;
-    }
-    let mlp_only: Vec<u64> = cfg
-        .get("mlp_only_layers")
-        .and_then(Value::as_array)
-        .map(|a| a.iter().filter_map(Value::as_u64).collect())
-        .unwrap_or_default();
-    let step = cfg
-        .get("decoder_sparse_step")
-        .and_then(Value::as_u64)
-        .unwrap_or(1) as usize;
-    !mlp_only.contains(&(layer as u64)) && num_experts(cfg) > 0 && (layer + 1) % step == 0
+    model_config(cfg).ffn[layer] == FfnKind::Moe
 }
 
-/// Every tensor of the checkpoint, sorted by name (byte order).
+/// Every tensor of the checkpoint (`smoe_vault::tensors::layout` under the hub's names), sorted
+/// by name (byte order).
 pub fn tensor_list(cfg: &Value) -> Vec<TensorSpec> {
-    let fam = family(cfg);
-    let h = cfg_usize(cfg, "hidden_size");
-    let nh = cfg_usize(cfg, "num_attention_heads");
-    let hd = head_dim(cfg);
-    let nkv = cfg_usize(cfg, "num_key_value_heads");
-    let v = cfg_usize(cfg, "vocab_size");
-    let tied = cfg
-        .get("tie_word_embeddings")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
-    let mut out = Vec::new();
-    let mut push =
-        |name: String, shape: Vec<usize>, kind: Kind| out.push(TensorSpec { name, shape, kind });
-    let mlp =
-        |push: &mut dyn FnMut(String, Vec<usize>, Kind), p: &str, w: usize, names: [&str; 3]| {
-            push(format!("{p}{}.weight", names[0]), vec![w, h], Kind::Matrix);
-            push(format!("{p}{}.weight", names[1]), vec![w, h], Kind::Matrix);
-            push(format!("{p}{}.weight", names[2]), vec![h, w], Kind::Matrix);
-        };
-    push(
-        "model.embed_tokens.weight".into(),
-        vec![v, h],
-        if tied { Kind::LmHead } else { Kind::Embed },
-    );
-    push("model.norm.weight".into(), vec![h], Kind::Norm);
-    if !tied {
-        push("lm_head.weight".into(), vec![v, h], Kind::LmHead);
-    }
-    for l in 0..cfg_usize(cfg, "num_hidden_layers") {
-        let p = format!("model.layers.{l}.");
-        push(format!("{p}input_layernorm.weight"), vec![h], Kind::Norm);
-        push(
-            format!("{p}post_attention_layernorm.weight"),
-            vec![h],
-            Kind::Norm,
-        );
-        let a = format!("{p}self_attn.");
-        push(format!("{a}q_proj.weight"), vec![nh * hd, h], Kind::Matrix);
-        push(format!("{a}k_proj.weight"), vec![nkv * hd, h], Kind::Matrix);
-        push(format!("{a}v_proj.weight"), vec![nkv * hd, h], Kind::Matrix);
-        push(format!("{a}o_proj.weight"), vec![h, nh * hd], Kind::Matrix);
-        if fam.qkv_bias {
-            push(format!("{a}q_proj.bias"), vec![nh * hd], Kind::Bias);
-            push(format!("{a}k_proj.bias"), vec![nkv * hd], Kind::Bias);
-            push(format!("{a}v_proj.bias"), vec![nkv * hd], Kind::Bias);
-        }
-        let (qn, kn) = match fam.qk_norm {
-            QkNorm::None => (0, 0),
-            QkNorm::Head => (hd, hd),
-            QkNorm::Projection => (nh * hd, nkv * hd),
-        };
-        if qn > 0 {
-            push(format!("{a}q_norm.weight"), vec![qn], Kind::Norm);
-            push(format!("{a}k_norm.weight"), vec![kn], Kind::Norm);
-        }
-        if layer_is_sparse(cfg, l) {
-            let m = format!("{p}{}.", fam.moe);
-            let width = cfg_usize(cfg, fam.expert_width);
-            let ne = num_experts(cfg);
-            push(format!("{m}gate.weight"), vec![ne, h], Kind::Router);
-            for e in 0..ne {
-                mlp(&mut push, &format!("{m}experts.{e}."), width, fam.experts);
-            }
-            if fam.shared_expert {
-                let w = cfg_usize(cfg, "shared_expert_intermediate_size");
-                mlp(&mut push, &format!("{m}shared_expert."), w, GATE_UP_DOWN);
-                // the shared expert's sigmoid gate follows the router rule (matrix scale * 4)
-                push(
-                    format!("{m}shared_expert_gate.weight"),
-                    vec![1, h],
-                    Kind::Router,
-                );
-            }
-        } else {
-            let w = cfg_usize(cfg, "intermediate_size");
-            mlp(&mut push, &format!("{p}mlp."), w, GATE_UP_DOWN);
-        }
-    }
+    let c = model_config(cfg);
+    let mut out: Vec<TensorSpec> = layout(&c)
+        .into_iter()
+        .map(|t| TensorSpec {
+            name: t.id.hub_name(c.architecture),
+            shape: t.shape,
+            kind: Kind::of(t.id, c.tie_word_embeddings),
+        })
+        .collect();
     out.sort_by(|a, b| a.name.as_bytes().cmp(b.name.as_bytes()));
     assert!(
         out.windows(2).all(|w| w[0].name != w[1].name),

@@ -34,7 +34,7 @@ impl Architecture {
         }
     }
 
-    pub fn model_type(self) -> &'static str {
+    pub const fn model_type(self) -> &'static str {
         match self {
             Architecture::Qwen3Moe => "qwen3_moe",
             Architecture::Qwen2Moe => "qwen2_moe",

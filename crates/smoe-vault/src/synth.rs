@@ -12,6 +12,7 @@ use crate::error::Result;
 use crate::format::{Header, QuantInfo, TextInfo};
 use crate::import::hf::expert_parts;
 use crate::quant::{quantize_matrix, DType};
+use crate::tensors::{scout_layout, MlpPart, Tensor, TensorSpec};
 use crate::writer::VaultWriter;
 use half::f16;
 use std::io::{Seek, Write};
@@ -127,6 +128,80 @@ pub struct SynthOptions {
     pub seed: u64,
 }
 
+/// `√(3 / fan_in)`: a matrix of values uniform in ±that keeps a product about as large as its
+/// input.
+fn scale(fan_in: usize) -> f32 {
+    (3.0 / fan_in as f32).sqrt()
+}
+
+/// Zeroes row 0 of a matrix in storage type `dtype`: a matrix that writes to the residual stream
+/// writes nothing to the constant channel.
+fn zero_first_row(m: &mut [u8], dtype: DType, cols: usize) {
+    m[..dtype.row_stride(cols)].fill(0);
+}
+
+/// One dense tensor's bytes in its storage type `dtype`. Draws from `rng` in the table's order;
+/// `order` (experts by popularity rank) is reshuffled at each router, so each layer has its own
+/// popular experts.
+fn dense_tensor(
+    spec: &TensorSpec,
+    dtype: DType,
+    router_skew: f32,
+    rng: &mut Rng,
+    order: &mut [usize],
+) -> Vec<u8> {
+    let (rows, cols) = spec.rows_cols();
+    match spec.id {
+        Tensor::InputNorm(_) | Tensor::PostNorm(_) | Tensor::QkNorm(..) | Tensor::FinalNorm => {
+            quantize_matrix(dtype, &vec![1.0; cols], 1, cols)
+        }
+        Tensor::Bias(..) => quantize_matrix(dtype, &vec![0.0; cols], 1, cols),
+        Tensor::Embed => {
+            // Dimension 0 is the constant channel that carries the router skew.
+            let mut embed = vec![0f32; rows * cols];
+            for (i, v) in embed.iter_mut().enumerate() {
+                *v = if i % cols == 0 { 1.0 } else { rng.uniform() };
+            }
+            quantize_matrix(dtype, &embed, rows, cols)
+        }
+        Tensor::OProj(_) => {
+            // Row 0 (the constant channel) is zero.
+            let mut o = vec![0f32; rows * cols];
+            for v in o.iter_mut().skip(cols) {
+                *v = rng.uniform() * scale(cols) * 0.5;
+            }
+            quantize_matrix(dtype, &o, rows, cols)
+        }
+        Tensor::Router(_) => {
+            // Random rows plus −skew·ln(rank) along the constant channel.
+            for i in (1..order.len()).rev() {
+                order.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+            }
+            let mut router = vec![0f32; rows * cols];
+            for (e, row) in router.chunks_mut(cols).enumerate() {
+                for v in row.iter_mut() {
+                    *v = rng.uniform() * scale(cols);
+                }
+                let rank = order[e] + 1;
+                // After RMSNorm the constant channel is 1/rms(embedding) = √3 (uniform ±1 rows):
+                // divide it out so the logit bias is −skew·ln(rank) against O(1) noise.
+                row[0] = -router_skew * (rank as f32).ln() / 3f32.sqrt();
+            }
+            quantize_matrix(dtype, &router, rows, cols)
+        }
+        Tensor::LmHead => random_matrix(rng, dtype, rows, cols, scale(cols) * 4.0),
+        Tensor::Mlp(_, MlpPart::Down) | Tensor::Shared(_, MlpPart::Down) => {
+            let mut m = random_matrix(rng, dtype, rows, cols, scale(cols));
+            zero_first_row(&mut m, dtype, cols);
+            m
+        }
+        Tensor::Proj(..) | Tensor::Mlp(..) | Tensor::Shared(..) | Tensor::SharedGate(_) => {
+            random_matrix(rng, dtype, rows, cols, scale(cols))
+        }
+        Tensor::Expert(..) => unreachable!("routed experts are written as blobs"),
+    }
+}
+
 /// Writes a random vault of shape `cfg`; `progress(bytes)` after each tensor or blob.
 /// `text` and `generation` give the vault a tokenizer and chat template (e.g. another vault's),
 /// so the server and chat can drive it; ids beyond that tokenizer simply have no text.
@@ -139,139 +214,22 @@ pub fn synth<W: Write + Seek>(
     progress: &mut dyn FnMut(u64),
 ) -> Result<(u64, W)> {
     let mut rng = Rng(opts.seed | 1);
-    let (h, q, kv, hd) = (
-        cfg.hidden_size,
-        cfg.num_heads * cfg.head_dim,
-        cfg.num_kv_heads * cfg.head_dim,
-        cfg.head_dim,
-    );
-    let s = |fan_in: usize| (3.0 / fan_in as f32).sqrt();
-    let mut put = |w: &mut VaultWriter<W>,
-                   name: &str,
-                   dtype: DType,
-                   shape: &[usize],
-                   bytes: Vec<u8>|
-     -> Result<()> {
-        w.add_tensor(name, dtype, shape, &bytes)?;
-        progress(bytes.len() as u64);
-        Ok(())
-    };
-    let ones = |n: usize| quantize_matrix(DType::F32, &vec![1.0; n], 1, n);
-    // The embedding's dimension 0 is the constant channel that carries the router skew.
-    let mut embed = vec![0f32; cfg.vocab_size * h];
-    for (i, v) in embed.iter_mut().enumerate() {
-        *v = if i % h == 0 { 1.0 } else { rng.uniform() };
-    }
-    put(
-        &mut w,
-        "model.embed_tokens.weight",
-        opts.scout,
-        &[cfg.vocab_size, h],
-        quantize_matrix(opts.scout, &embed, cfg.vocab_size, h),
-    )?;
-    drop(embed);
     let mut order: Vec<usize> = (0..cfg.num_experts).collect();
-    for l in 0..cfg.num_layers {
-        let p = format!("model.layers.{l}");
-        put(
-            &mut w,
-            &format!("{p}.input_layernorm.weight"),
-            DType::F32,
-            &[h],
-            ones(h),
-        )?;
-        put(
-            &mut w,
-            &format!("{p}.post_attention_layernorm.weight"),
-            DType::F32,
-            &[h],
-            ones(h),
-        )?;
-        put(
-            &mut w,
-            &format!("{p}.self_attn.q_proj.weight"),
-            opts.scout,
-            &[q, h],
-            random_matrix(&mut rng, opts.scout, q, h, s(h)),
-        )?;
-        put(
-            &mut w,
-            &format!("{p}.self_attn.k_proj.weight"),
-            opts.scout,
-            &[kv, h],
-            random_matrix(&mut rng, opts.scout, kv, h, s(h)),
-        )?;
-        put(
-            &mut w,
-            &format!("{p}.self_attn.v_proj.weight"),
-            opts.scout,
-            &[kv, h],
-            random_matrix(&mut rng, opts.scout, kv, h, s(h)),
-        )?;
-        // o_proj writes nothing to the constant channel (row 0 is zero).
-        let mut o = vec![0f32; h * q];
-        for v in o.iter_mut().skip(q) {
-            *v = rng.uniform() * s(q) * 0.5;
-        }
-        put(
-            &mut w,
-            &format!("{p}.self_attn.o_proj.weight"),
-            opts.scout,
-            &[h, q],
-            quantize_matrix(opts.scout, &o, h, q),
-        )?;
-        put(
-            &mut w,
-            &format!("{p}.self_attn.q_norm.weight"),
-            DType::F32,
-            &[hd],
-            ones(hd),
-        )?;
-        put(
-            &mut w,
-            &format!("{p}.self_attn.k_norm.weight"),
-            DType::F32,
-            &[hd],
-            ones(hd),
-        )?;
-        // Router: random rows plus −skew·ln(rank) along the constant channel; ranks shuffled
-        // per layer so each layer has its own popular experts.
-        for i in (1..order.len()).rev() {
-            order.swap(i, (rng.next() % (i as u64 + 1)) as usize);
-        }
-        let mut router = vec![0f32; cfg.num_experts * h];
-        for (e, row) in router.chunks_mut(h).enumerate() {
-            for v in row.iter_mut() {
-                *v = rng.uniform() * s(h);
-            }
-            let rank = order[e] + 1;
-            // After RMSNorm the constant channel is 1/rms(embedding) = √3 (uniform ±1 rows):
-            // divide it out so the logit bias is −skew·ln(rank) against O(1) noise.
-            row[0] = -opts.router_skew * (rank as f32).ln() / 3f32.sqrt();
-        }
-        put(
-            &mut w,
-            &format!("{p}.mlp.gate.weight"),
-            DType::Bf16,
-            &[cfg.num_experts, h],
-            quantize_matrix(DType::Bf16, &router, cfg.num_experts, h),
-        )?;
+    for spec in scout_layout(cfg) {
+        let dtype = spec.storage.dtype(opts.scout, opts.experts);
+        let bytes = dense_tensor(&spec, dtype, opts.router_skew, &mut rng, &mut order);
+        w.add_tensor(&spec.id.name(), dtype, &spec.shape, &bytes)?;
+        progress(bytes.len() as u64);
     }
-    put(&mut w, "model.norm.weight", DType::F32, &[h], ones(h))?;
-    put(
-        &mut w,
-        "lm_head.weight",
-        opts.scout,
-        &[cfg.vocab_size, h],
-        random_matrix(&mut rng, opts.scout, cfg.vocab_size, h, s(h) * 4.0),
-    )?;
     let parts = expert_parts(cfg, opts.experts);
     let used = parts.iter().map(|p| p.offset + p.length).max().unwrap_or(0) as usize;
-    w.begin_experts(parts.clone())?;
+    if cfg.moe_layers().next().is_some() {
+        w.begin_experts(parts.clone())?;
+    }
     // Blobs are generated in parallel batches (each expert from its own seed) and written in
     // order: the disk, not the random number generator, sets the pace.
     use rayon::prelude::*;
-    for l in 0..cfg.num_layers {
+    for l in cfg.moe_layers() {
         for e0 in (0..cfg.num_experts).step_by(32) {
             let e1 = (e0 + 32).min(cfg.num_experts);
             let blobs: Vec<Vec<u8>> = (e0..e1)
@@ -281,13 +239,12 @@ pub fn synth<W: Write + Seek>(
                         ^ ((l as u64) << 32 | e as u64)
                         | 1);
                     let mut blob = vec![0u8; used];
-                    for p in &parts {
+                    for (p, part) in parts.iter().zip(MlpPart::ALL) {
                         let (rows, cols) = (p.shape[0], p.shape[1]);
-                        let mut m = random_matrix(&mut rng, p.dtype, rows, cols, s(cols));
-                        if p.name == "down_proj" {
+                        let mut m = random_matrix(&mut rng, p.dtype, rows, cols, scale(cols));
+                        if part == MlpPart::Down {
                             // Experts write nothing to the constant channel either.
-                            let stride = p.dtype.row_stride(cols);
-                            m[..stride].fill(0);
+                            zero_first_row(&mut m, p.dtype, cols);
                         }
                         blob[p.offset as usize..(p.offset + p.length) as usize].copy_from_slice(&m);
                     }
@@ -319,20 +276,69 @@ pub fn synth<W: Write + Seek>(
 
 /// Bytes the vault will hold (for the progress bar).
 pub fn estimate_bytes(cfg: &ModelConfig, opts: SynthOptions) -> u64 {
-    let (h, q, kv) = (
-        cfg.hidden_size,
-        cfg.num_heads * cfg.head_dim,
-        cfg.num_kv_heads * cfg.head_dim,
-    );
-    let m = |dt: DType, r: usize, c: usize| (r * dt.row_stride(c)) as u64;
-    let per_layer = 2 * m(DType::F32, 1, h)
-        + m(opts.scout, q, h)
-        + 2 * m(opts.scout, kv, h)
-        + m(opts.scout, h, q)
-        + 2 * m(DType::F32, 1, cfg.head_dim)
-        + m(DType::Bf16, cfg.num_experts, h);
+    let dense: u64 = scout_layout(cfg)
+        .iter()
+        .map(|t| t.bytes(t.storage.dtype(opts.scout, opts.experts)))
+        .sum();
     let parts = expert_parts(cfg, opts.experts);
-    let used = parts.iter().map(|p| p.offset + p.length).max().unwrap_or(0);
-    2 * m(opts.scout, cfg.vocab_size, h)
-        + cfg.num_layers as u64 * (per_layer + cfg.num_experts as u64 * used)
+    let blob = parts.iter().map(|p| p.offset + p.length).max().unwrap_or(0);
+    dense + (cfg.moe_layers().count() * cfg.num_experts) as u64 * blob
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The whole vault `synth` writes for the tiny preset, hashed.
+    fn tiny_vault_hash(scout: DType, experts: DType, router_skew: f32, seed: u64) -> (u64, u64) {
+        let cfg = preset("tiny").unwrap();
+        let opts = SynthOptions {
+            experts,
+            scout,
+            router_skew,
+            seed,
+        };
+        let out = std::io::Cursor::new(Vec::new());
+        let w = VaultWriter::new(out, std::path::Path::new("tiny.smoe")).unwrap();
+        let mut reported = 0;
+        let (len, out) = synth(
+            &cfg,
+            opts,
+            TextInfo::default(),
+            GenerationDefaults::default(),
+            w,
+            &mut |n| reported += n,
+        )
+        .unwrap();
+        let bytes = out.into_inner();
+        assert_eq!(len, bytes.len() as u64);
+        // The progress bar's total is what progress reports.
+        assert_eq!(estimate_bytes(&cfg, opts), reported);
+        (len, xxhash_rust::xxh3::xxh3_64(&bytes))
+    }
+
+    /// A synthetic vault is a function of its options: these hashes were taken before `synth`
+    /// read its tensor list from `tensors::scout_layout`, and must not change.
+    #[test]
+    fn tiny_vaults_are_byte_identical_across_versions() {
+        let cases = [
+            (DType::Bf16, DType::Q4, 1.0, 7),
+            (DType::Q8, DType::Q8, 0.0, 1),
+            (DType::Bf16, DType::Bf16, 0.5, 42),
+            (DType::Q8, DType::Q2, 1.5, 3),
+        ];
+        let want = [
+            (14232164, 5980314568221799587),
+            (12708367, 3339891945077716947),
+            (22620784, 1963189859133708580),
+            (7465462, 13526353753610993819),
+        ];
+        for ((scout, experts, skew, seed), want) in cases.into_iter().zip(want) {
+            let got = tiny_vault_hash(scout, experts, skew, seed);
+            assert_eq!(
+                got, want,
+                "{scout} scout, {experts} experts, skew {skew}, seed {seed}"
+            );
+        }
+    }
 }

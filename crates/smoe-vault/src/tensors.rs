@@ -4,6 +4,7 @@
 //! new tensor kind is added in one place.
 
 use crate::config::{Architecture, FfnKind, ModelConfig, QkNorm};
+use crate::quant::DType;
 
 /// One of a SwiGLU MLP's three matrices (dense MLP, shared expert or routed expert).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -89,12 +90,42 @@ pub enum Storage {
     Expert,
 }
 
+impl Storage {
+    /// The storage type of a tensor stored this way in a vault of scout type `scout` and expert
+    /// type `experts`.
+    pub fn dtype(self, scout: DType, experts: DType) -> DType {
+        match self {
+            Storage::Vector => DType::F32,
+            Storage::Scout => scout,
+            Storage::Router => DType::Bf16,
+            Storage::Expert => experts,
+        }
+    }
+}
+
 /// A tensor with its shape and storage, as `layout` lists them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorSpec {
     pub id: Tensor,
     pub shape: Vec<usize>,
     pub storage: Storage,
+}
+
+impl TensorSpec {
+    /// (rows, columns): a vector is one row.
+    pub fn rows_cols(&self) -> (usize, usize) {
+        match self.shape[..] {
+            [n] => (1, n),
+            [rows, cols] => (rows, cols),
+            _ => unreachable!("the table holds only vectors and matrices"),
+        }
+    }
+
+    /// Bytes of this tensor stored as `dtype` (rows of `dtype.row_stride(cols)` bytes).
+    pub fn bytes(&self, dtype: DType) -> u64 {
+        let (rows, cols) = self.rows_cols();
+        (rows * dtype.row_stride(cols)) as u64
+    }
 }
 
 impl Tensor {

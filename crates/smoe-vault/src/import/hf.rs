@@ -1,10 +1,11 @@
 //! Hugging Face checkpoint directory → `.smoe` vault, streaming tensor by tensor.
 
 use super::safetensors::{SrcTensor, TensorFiles};
-use crate::config::{Architecture, FfnKind, GenerationDefaults, ModelConfig, QkNorm};
+use crate::config::{GenerationDefaults, ModelConfig};
 use crate::error::{Result, VaultError};
 use crate::format::*;
 use crate::quant::{quantize_matrix, DType};
+use crate::tensors::{layout, scout_layout, MlpPart, Tensor};
 use crate::writer::VaultWriter;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -16,207 +17,32 @@ pub struct ConvertOptions {
     pub scout: DType,
 }
 
-/// How a tensor is stored.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Role {
-    /// Norm weights: f32, tiny, precision matters.
-    Vector,
-    /// Dense projections, embedding, LM head: the scout type.
-    Scout,
-    /// Routers stay bf16 whatever the scout type: a flipped expert choice costs more than bytes.
-    Router,
-}
-
-struct Expected {
-    /// The vault's (canonical, Qwen-style) name.
-    name: String,
-    /// The checkpoint's name for it.
-    source: String,
-    shape: Vec<usize>,
-    role: Role,
-}
-
-/// Family-specific spellings of the canonical per-layer names: Mixtral calls its MoE block
-/// `block_sparse_moe` and its experts' matrices w1 (gate), w3 (up), w2 (down).
-fn source_name(arch: Architecture, canonical: &str) -> String {
-    if arch != Architecture::Mixtral {
-        return canonical.to_string();
-    }
-    canonical
-        .replace(".mlp.gate.weight", ".block_sparse_moe.gate.weight")
-        .replace(".mlp.experts.", ".block_sparse_moe.experts.")
-        .replace(".gate_proj.weight", ".w1.weight")
-        .replace(".up_proj.weight", ".w3.weight")
-        .replace(".down_proj.weight", ".w2.weight")
-}
-
-/// The tensors a checkpoint must contain, besides the routed experts, under canonical names.
-fn scout_tensors(c: &ModelConfig) -> Vec<Expected> {
-    let (h, q, kv) = (
-        c.hidden_size,
-        c.num_heads * c.head_dim,
-        c.num_kv_heads * c.head_dim,
-    );
-    let arch = c.architecture;
-    let t = |name: String, shape: Vec<usize>, role| Expected {
-        source: source_name(arch, &name),
-        name,
-        shape,
-        role,
-    };
-    let mut v = vec![t(
-        "model.embed_tokens.weight".into(),
-        vec![c.vocab_size, h],
-        Role::Scout,
-    )];
-    let mlp = |v: &mut Vec<Expected>, p: &str, i: usize| {
-        v.push(t(format!("{p}.gate_proj.weight"), vec![i, h], Role::Scout));
-        v.push(t(format!("{p}.up_proj.weight"), vec![i, h], Role::Scout));
-        v.push(t(format!("{p}.down_proj.weight"), vec![h, i], Role::Scout));
-    };
-    for l in 0..c.num_layers {
-        let p = format!("model.layers.{l}");
-        v.push(t(
-            format!("{p}.input_layernorm.weight"),
-            vec![h],
-            Role::Vector,
-        ));
-        v.push(t(
-            format!("{p}.post_attention_layernorm.weight"),
-            vec![h],
-            Role::Vector,
-        ));
-        v.push(t(
-            format!("{p}.self_attn.q_proj.weight"),
-            vec![q, h],
-            Role::Scout,
-        ));
-        v.push(t(
-            format!("{p}.self_attn.k_proj.weight"),
-            vec![kv, h],
-            Role::Scout,
-        ));
-        v.push(t(
-            format!("{p}.self_attn.v_proj.weight"),
-            vec![kv, h],
-            Role::Scout,
-        ));
-        v.push(t(
-            format!("{p}.self_attn.o_proj.weight"),
-            vec![h, q],
-            Role::Scout,
-        ));
-        if c.qkv_bias {
-            v.push(t(
-                format!("{p}.self_attn.q_proj.bias"),
-                vec![q],
-                Role::Vector,
-            ));
-            v.push(t(
-                format!("{p}.self_attn.k_proj.bias"),
-                vec![kv],
-                Role::Vector,
-            ));
-            v.push(t(
-                format!("{p}.self_attn.v_proj.bias"),
-                vec![kv],
-                Role::Vector,
-            ));
-        }
-        match c.qk_norm {
-            QkNorm::None => {}
-            QkNorm::PerHead => {
-                v.push(t(
-                    format!("{p}.self_attn.q_norm.weight"),
-                    vec![c.head_dim],
-                    Role::Vector,
-                ));
-                v.push(t(
-                    format!("{p}.self_attn.k_norm.weight"),
-                    vec![c.head_dim],
-                    Role::Vector,
-                ));
-            }
-            QkNorm::Full => {
-                v.push(t(
-                    format!("{p}.self_attn.q_norm.weight"),
-                    vec![q],
-                    Role::Vector,
-                ));
-                v.push(t(
-                    format!("{p}.self_attn.k_norm.weight"),
-                    vec![kv],
-                    Role::Vector,
-                ));
-            }
-        }
-        match c.ffn[l] {
-            FfnKind::Moe => {
-                v.push(t(
-                    format!("{p}.mlp.gate.weight"),
-                    vec![c.num_experts, h],
-                    Role::Router,
-                ));
-                if c.shared_expert_intermediate_size > 0 {
-                    mlp(
-                        &mut v,
-                        &format!("{p}.mlp.shared_expert"),
-                        c.shared_expert_intermediate_size,
-                    );
-                    v.push(t(
-                        format!("{p}.mlp.shared_expert_gate.weight"),
-                        vec![1, h],
-                        Role::Router,
-                    ));
-                }
-            }
-            FfnKind::Dense => mlp(&mut v, &format!("{p}.mlp"), c.intermediate_size),
-        }
-    }
-    v.push(t("model.norm.weight".into(), vec![h], Role::Vector));
-    if !c.tie_word_embeddings {
-        v.push(t(
-            "lm_head.weight".into(),
-            vec![c.vocab_size, h],
-            Role::Scout,
-        ));
-    }
-    v
-}
-
-pub const EXPERT_PARTS: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
-
-/// The checkpoint's name of one expert matrix.
-fn expert_name(c: &ModelConfig, layer: usize, expert: usize, part: &str) -> String {
-    source_name(
-        c.architecture,
-        &format!("model.layers.{layer}.mlp.experts.{expert}.{part}.weight"),
-    )
-}
-
-/// Layout of gate, up and down inside a blob: gate and up adjacent (one [2I, H] matrix for a
-/// fused kernel), down at the next 256-byte boundary.
+/// Layout of gate, up and down inside a blob (in `MlpPart::ALL` order): gate and up adjacent
+/// (one [2I, H] matrix for a fused kernel), down at the next 256-byte boundary.
 pub fn expert_parts(c: &ModelConfig, dtype: DType) -> Vec<ExpertPart> {
     let (h, i) = (c.hidden_size, c.moe_intermediate_size);
     let gate_len = (i * dtype.row_stride(h)) as u64;
     let down_len = (h * dtype.row_stride(i)) as u64;
-    let part = |name: &str, shape: [usize; 2], offset: u64, length: u64| ExpertPart {
-        name: name.into(),
-        dtype,
-        shape,
-        offset,
-        length,
-    };
-    vec![
-        part("gate_proj", [i, h], 0, gate_len),
-        part("up_proj", [i, h], gate_len, gate_len),
-        part(
-            "down_proj",
-            [h, i],
-            (2 * gate_len).next_multiple_of(TENSOR_ALIGN),
-            down_len,
-        ),
-    ]
+    MlpPart::ALL
+        .map(|p| {
+            let (shape, offset, length) = match p {
+                MlpPart::Gate => ([i, h], 0, gate_len),
+                MlpPart::Up => ([i, h], gate_len, gate_len),
+                MlpPart::Down => (
+                    [h, i],
+                    (2 * gate_len).next_multiple_of(TENSOR_ALIGN),
+                    down_len,
+                ),
+            };
+            ExpertPart {
+                name: p.name().into(),
+                dtype,
+                shape,
+                offset,
+                length,
+            }
+        })
+        .into()
 }
 
 /// A checkpoint directory, opened and checked.
@@ -317,18 +143,10 @@ impl HfCheckpoint {
     /// Missing, extra or misshapen tensors are reported before anything is written.
     fn check_tensors(&self) -> Result<()> {
         let c = &self.config;
-        let mut expected: Vec<(String, Vec<usize>)> = scout_tensors(c)
+        let expected: Vec<(String, Vec<usize>)> = layout(c)
             .into_iter()
-            .map(|e| (e.source, e.shape))
+            .map(|t| (t.id.hub_name(c.architecture), t.shape))
             .collect();
-        for l in c.moe_layers() {
-            for e in 0..c.num_experts {
-                let (h, i) = (c.hidden_size, c.moe_intermediate_size);
-                expected.push((expert_name(c, l, e, "gate_proj"), vec![i, h]));
-                expected.push((expert_name(c, l, e, "up_proj"), vec![i, h]));
-                expected.push((expert_name(c, l, e, "down_proj"), vec![h, i]));
-            }
-        }
         let mut missing = vec![];
         for (name, shape) in &expected {
             match self.files.get(name) {
@@ -500,14 +318,16 @@ pub fn convert<W: std::io::Write + std::io::Seek>(
         ));
     }
     let c = &ck.config;
-    for e in scout_tensors(c) {
-        let t = ck.files.get(&e.source).expect("checked at open");
-        let dtype = match e.role {
-            Role::Vector => DType::F32,
-            Role::Router => DType::Bf16,
-            Role::Scout => opts.scout,
-        };
-        write_tensor(&mut w, &ck.files, t, &e.name, dtype, progress)?;
+    // The checkpoint's tensor of `id`, present and of the right shape since `open` checked.
+    let source = |id: Tensor| {
+        ck.files
+            .get(&id.hub_name(c.architecture))
+            .expect("checked at open")
+    };
+    for spec in scout_layout(c) {
+        let dtype = spec.storage.dtype(opts.scout, opts.experts);
+        let name = spec.id.name();
+        write_tensor(&mut w, &ck.files, source(spec.id), &name, dtype, progress)?;
     }
     let parts = expert_parts(c, opts.experts);
     let used = parts.iter().map(|p| p.offset + p.length).max().unwrap_or(0) as usize;
@@ -523,11 +343,8 @@ pub fn convert<W: std::io::Write + std::io::Seek>(
                 .into_par_iter()
                 .map(|e| {
                     let mut blob = vec![0u8; used];
-                    for p in &parts {
-                        let t = ck
-                            .files
-                            .get(&expert_name(c, l, e, &p.name))
-                            .expect("checked at open");
+                    for (p, part) in parts.iter().zip(MlpPart::ALL) {
+                        let t = source(Tensor::Expert(l, e, part));
                         let x = ck.files.read_rows_f32(t, 0, p.shape[0]);
                         let q = quantize_matrix(p.dtype, &x, p.shape[0], p.shape[1]);
                         blob[p.offset as usize..(p.offset + p.length) as usize].copy_from_slice(&q);
@@ -537,10 +354,10 @@ pub fn convert<W: std::io::Write + std::io::Seek>(
                 .collect();
             for (i, blob) in blobs.iter().enumerate() {
                 w.add_expert(l, e0 + i, blob)?;
-                let src: u64 = EXPERT_PARTS
+                let src: u64 = MlpPart::ALL
                     .iter()
-                    .map(|p| {
-                        let t = ck.files.get(&expert_name(c, l, e0 + i, p)).unwrap();
+                    .map(|&p| {
+                        let t = source(Tensor::Expert(l, e0 + i, p));
                         (t.end - t.start) as u64
                     })
                     .sum();
