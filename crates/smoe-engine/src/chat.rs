@@ -8,15 +8,21 @@
 //! compatible `tojson`, and Python string/dict methods via
 //! `minijinja_contrib::pycompat`.
 //!
-//! Known difference: the workspace builds serde_json and minijinja without
-//! `preserve_order`, so JSON objects (tool schemas, tool-call arguments)
-//! render with keys sorted, where Python keeps insertion order.
+//! serde_json and minijinja are built with `preserve_order`, so JSON objects (tool schemas,
+//! tool-call arguments) render with their keys in insertion order, as Python's dicts do.
+//!
+//! The `tojson` filter and `strftime_now` have modules of their own (`tojson`, `strftime`).
+
+mod strftime;
+mod tojson;
 
 use std::collections::BTreeMap;
 
-use minijinja::value::{Kwargs, Value, ValueKind};
+use minijinja::value::Value;
 use minijinja::{Environment, Error, ErrorKind};
 use serde::{Deserialize, Serialize};
+use strftime::strftime_now;
+use tojson::tojson;
 
 use crate::tokenizer::TextError;
 
@@ -204,266 +210,6 @@ fn strip_generation_tags(src: &str) -> String {
 
 fn raise_exception(msg: String) -> Result<Value, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, msg))
-}
-
-/// `strftime_now(fmt)`, used by e.g. Llama 3 templates for "Today Date".
-/// Always UTC: we carry no time-zone database.
-fn strftime_now(fmt: String) -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0);
-    format_time(secs, &fmt)
-}
-
-const MONTHS: [&str; 12] = [
-    "January",
-    "February",
-    "March",
-    "April",
-    "May",
-    "June",
-    "July",
-    "August",
-    "September",
-    "October",
-    "November",
-    "December",
-];
-const DAYS: [&str; 7] = [
-    "Monday",
-    "Tuesday",
-    "Wednesday",
-    "Thursday",
-    "Friday",
-    "Saturday",
-    "Sunday",
-];
-
-/// A C-`strftime` subset over a Unix time, UTC. Supports %Y %y %m %d %e %H
-/// %I %M %S %p %B %b %A %a %j %% and glibc's `%-d`-style unpadded forms;
-/// unknown directives are copied through.
-fn format_time(secs: i64, fmt: &str) -> String {
-    let days = secs.div_euclid(86_400);
-    let tod = secs.rem_euclid(86_400);
-    let (h, mi, s) = (tod / 3600, tod % 3600 / 60, tod % 60);
-    // Howard Hinnant's civil_from_days.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    let leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
-    const CUM: [i64; 12] = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
-    let yday = CUM[(m - 1) as usize] + d + i64::from(leap && m > 2);
-    let wday = (days + 3).rem_euclid(7) as usize; // 1970-01-01 was a Thursday
-    let h12 = if h % 12 == 0 { 12 } else { h % 12 };
-
-    let mut out = String::new();
-    let mut chars = fmt.chars().peekable();
-    while let Some(c) = chars.next() {
-        if c != '%' {
-            out.push(c);
-            continue;
-        }
-        let unpadded = chars.peek() == Some(&'-');
-        if unpadded {
-            chars.next();
-        }
-        let num = |v: i64, w: usize| {
-            if unpadded {
-                v.to_string()
-            } else {
-                format!("{v:0w$}")
-            }
-        };
-        match chars.next() {
-            Some('Y') => out.push_str(&y.to_string()),
-            Some('y') => out.push_str(&num(y.rem_euclid(100), 2)),
-            Some('m') => out.push_str(&num(m, 2)),
-            Some('d') => out.push_str(&num(d, 2)),
-            Some('e') => out.push_str(&format!("{d:2}")),
-            Some('H') => out.push_str(&num(h, 2)),
-            Some('I') => out.push_str(&num(h12, 2)),
-            Some('M') => out.push_str(&num(mi, 2)),
-            Some('S') => out.push_str(&num(s, 2)),
-            Some('j') => out.push_str(&num(yday, 3)),
-            Some('p') => out.push_str(if h < 12 { "AM" } else { "PM" }),
-            Some('B') => out.push_str(MONTHS[(m - 1) as usize]),
-            Some('b') => out.push_str(&MONTHS[(m - 1) as usize][..3]),
-            Some('A') => out.push_str(DAYS[wday]),
-            Some('a') => out.push_str(&DAYS[wday][..3]),
-            Some('%') => out.push('%'),
-            Some(other) => {
-                out.push('%');
-                if unpadded {
-                    out.push('-');
-                }
-                out.push(other);
-            }
-            None => out.push('%'),
-        }
-    }
-    out
-}
-
-/// transformers overrides Jinja's `tojson` with Python's
-/// `json.dumps(x, ensure_ascii=False, indent=None, separators=None,
-/// sort_keys=False)`: no HTML escaping and `", "`/`": "` separators. Models
-/// were trained on that exact spelling, so we reproduce it.
-fn tojson(value: &Value, indent: Option<Value>, kwargs: Kwargs) -> Result<Value, Error> {
-    let indent = match indent {
-        Some(v) => Some(v),
-        None => kwargs.get::<Option<Value>>("indent")?,
-    };
-    let indent = match indent {
-        None => None,
-        Some(v) if v.is_none() => None,
-        Some(v) if v.kind() == ValueKind::String => Some(v.as_str().unwrap_or("").to_string()),
-        Some(v) => Some(" ".repeat(usize::try_from(v)?)),
-    };
-    let ensure_ascii = kwargs.get::<Option<bool>>("ensure_ascii")?.unwrap_or(false);
-    let sort_keys = kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false);
-    let (item_sep, key_sep) = match kwargs.get::<Option<Vec<String>>>("separators")? {
-        Some(s) if s.len() == 2 => (s[0].clone(), s[1].clone()),
-        Some(_) => {
-            return Err(Error::new(
-                ErrorKind::InvalidOperation,
-                "separators must be a pair",
-            ))
-        }
-        None => (
-            if indent.is_some() { "," } else { ", " }.to_string(),
-            ": ".to_string(),
-        ),
-    };
-    kwargs.assert_all_used()?;
-    let opts = JsonOpts {
-        indent,
-        ensure_ascii,
-        sort_keys,
-        item_sep,
-        key_sep,
-    };
-    let mut out = String::new();
-    write_json(value, &opts, 0, &mut out)?;
-    Ok(Value::from_safe_string(out))
-}
-
-struct JsonOpts {
-    indent: Option<String>,
-    ensure_ascii: bool,
-    sort_keys: bool,
-    item_sep: String,
-    key_sep: String,
-}
-
-fn write_json(v: &Value, o: &JsonOpts, depth: usize, out: &mut String) -> Result<(), Error> {
-    let newline = |out: &mut String, depth: usize| {
-        if let Some(ind) = &o.indent {
-            out.push('\n');
-            out.push_str(&ind.repeat(depth));
-        }
-    };
-    match v.kind() {
-        ValueKind::Undefined | ValueKind::None => out.push_str("null"),
-        ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
-        ValueKind::String => write_json_str(v.as_str().unwrap_or(""), o.ensure_ascii, out),
-        ValueKind::Number => out.push_str(&python_number(v)),
-        ValueKind::Map => {
-            let mut keys: Vec<Value> = v.try_iter()?.collect();
-            if keys.is_empty() {
-                out.push_str("{}");
-                return Ok(());
-            }
-            if o.sort_keys {
-                keys.sort_by_key(|k| k.to_string());
-            }
-            out.push('{');
-            for (i, k) in keys.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(&o.item_sep);
-                }
-                newline(out, depth + 1);
-                // JSON keys are strings; Python stringifies numbers/bools.
-                let key = match k.as_str() {
-                    Some(s) => s.to_string(),
-                    None => python_number(k),
-                };
-                write_json_str(&key, o.ensure_ascii, out);
-                out.push_str(&o.key_sep);
-                write_json(&v.get_item(k)?, o, depth + 1, out)?;
-            }
-            newline(out, depth);
-            out.push('}');
-        }
-        ValueKind::Seq | ValueKind::Iterable => {
-            let items: Vec<Value> = v.try_iter()?.collect();
-            if items.is_empty() {
-                out.push_str("[]");
-                return Ok(());
-            }
-            out.push('[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(&o.item_sep);
-                }
-                newline(out, depth + 1);
-                write_json(item, o, depth + 1, out)?;
-            }
-            newline(out, depth);
-            out.push(']');
-        }
-        _ => {
-            let s = serde_json::to_string(v).map_err(|e| {
-                Error::new(ErrorKind::InvalidOperation, "cannot serialize to JSON").with_source(e)
-            })?;
-            out.push_str(&s);
-        }
-    }
-    Ok(())
-}
-
-/// Python's `repr` of ints and floats: `1.0`, `1e+20`, `1.5e-07`.
-fn python_number(v: &Value) -> String {
-    let s = serde_json::to_string(v).unwrap_or_else(|_| v.to_string());
-    match s.split_once('e') {
-        Some((mant, exp)) => {
-            let (sign, digits) = match exp.strip_prefix('-') {
-                Some(d) => ('-', d),
-                None => ('+', exp.trim_start_matches('+')),
-            };
-            format!("{mant}e{sign}{digits:0>2}")
-        }
-        None => s,
-    }
-}
-
-fn write_json_str(s: &str, ensure_ascii: bool, out: &mut String) {
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            '\u{8}' => out.push_str("\\b"),
-            '\u{c}' => out.push_str("\\f"),
-            c if (c as u32) < 0x20 || (ensure_ascii && (c as u32) >= 0x7f) => {
-                let mut buf = [0u16; 2];
-                for unit in c.encode_utf16(&mut buf) {
-                    out.push_str(&format!("\\u{unit:04x}"));
-                }
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
 }
 
 #[cfg(test)]
@@ -660,20 +406,6 @@ mod tests {
             "1.0"
         );
         assert!(render("{{ v | tojson(bogus=1) }}", v).is_err());
-    }
-
-    #[test]
-    fn strftime_subset() {
-        assert_eq!(
-            format_time(0, "%Y-%m-%d %H:%M:%S %A %b"),
-            "1970-01-01 00:00:00 Thursday Jan"
-        );
-        // 2024-02-29 13:05:09 UTC, a leap day.
-        let t = 1_709_164_800 + 13 * 3600 + 5 * 60 + 9;
-        assert_eq!(
-            format_time(t, "%d %B %Y, %I:%M %p (%a, day %j) %-d/%-m %y %%"),
-            "29 February 2024, 01:05 PM (Thu, day 060) 29/2 24 %"
-        );
     }
 
     #[test]
