@@ -205,8 +205,8 @@ impl fmt::Display for GpuInfo {
     }
 }
 
-/// (kernel, its `override`s, whether its layout is unfenced: see `pipeline_unfenced`).
-type PipelineKey = (&'static str, Vec<(&'static str, u64)>, bool);
+/// (kernel, its `override`s).
+type PipelineKey = (&'static str, Vec<(&'static str, u64)>);
 
 pub struct GpuContext {
     pub device: wgpu::Device,
@@ -367,7 +367,7 @@ impl GpuContext {
         if self.info.exec_barriers == ExecBarriers::AllKernels {
             return self.pipeline_spirv(kernel, constants);
         }
-        self.cached_pipeline(kernel, constants, false, || {
+        self.cached_pipeline(kernel, constants, || {
             let module = self.module(kernel)?;
             Ok(self
                 .device
@@ -395,44 +395,7 @@ impl GpuContext {
         kernel: &'static str,
         constants: &[(&'static str, f64)],
     ) -> Result<wgpu::ComputePipeline, GpuError> {
-        self.spirv_pipeline(kernel, constants, false)
-    }
-
-    /// Like `pipeline_spirv`, but with every storage binding declared read-only in the layout,
-    /// whatever the kernel does with it. wgpu puts a barrier between two dispatches of a pass
-    /// only where a buffer's use changes or is writable, so consecutive dispatches of such
-    /// pipelines get none and may run at the same time: ordering and visibility between them
-    /// are the kernels' own business (counters, atomic loads), as in `bench::persistent`'s
-    /// overlapped chain. (In Vulkan read-only and writable storage bindings are the same
-    /// descriptor type; the difference is wgpu's tracking only.) A dispatch of an ordinary
-    /// pipeline that binds a buffer these wrote still gets its barrier: the buffer's use changes.
-    /// Needs passthrough shaders, which the device has where the matrix units are used.
-    pub(crate) fn pipeline_unfenced(
-        &self,
-        kernel: &'static str,
-        constants: &[(&'static str, f64)],
-    ) -> Result<wgpu::ComputePipeline, GpuError> {
-        if !self
-            .device
-            .features()
-            .contains(wgpu::Features::PASSTHROUGH_SHADERS)
-        {
-            return Err(GpuError::Kernel {
-                kernel: kernel.into(),
-                msg: "unfenced pipelines need passthrough shaders (Vulkan, matrix units used)"
-                    .into(),
-            });
-        }
-        self.spirv_pipeline(kernel, constants, true)
-    }
-
-    fn spirv_pipeline(
-        &self,
-        kernel: &'static str,
-        constants: &[(&'static str, f64)],
-        unfenced: bool,
-    ) -> Result<wgpu::ComputePipeline, GpuError> {
-        self.cached_pipeline(kernel, constants, unfenced, || {
+        self.cached_pipeline(kernel, constants, || {
             let fail = |msg: String| GpuError::Kernel {
                 kernel: kernel.into(),
                 msg,
@@ -456,7 +419,7 @@ impl GpuContext {
                         ty: match b.uniform {
                             true => wgpu::BufferBindingType::Uniform,
                             false => wgpu::BufferBindingType::Storage {
-                                read_only: b.read_only || unfenced,
+                                read_only: b.read_only,
                             },
                         },
                         has_dynamic_offset: false,
@@ -517,13 +480,11 @@ impl GpuContext {
         &self,
         kernel: &'static str,
         constants: &[(&'static str, f64)],
-        unfenced: bool,
         build: impl FnOnce() -> Result<wgpu::ComputePipeline, GpuError>,
     ) -> Result<wgpu::ComputePipeline, GpuError> {
         let key: PipelineKey = (
             kernel,
             constants.iter().map(|(k, v)| (*k, v.to_bits())).collect(),
-            unfenced,
         );
         if let Some(p) = self.pipelines.lock().unwrap().get(&key) {
             return Ok(p.clone());

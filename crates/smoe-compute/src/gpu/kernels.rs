@@ -4,9 +4,8 @@
 //! the router's softmax top-k; `rope.wgsl`: RoPE's rotation; `code_pair_f16.wgsl` /
 //! `code_pair_f32.wgsl`: the matvec's q4 code pairs, with and without f16 arithmetic;
 //! `attn_merge.wgsl`: decode attention's merge of its splits; `attn_prefill_common.wgsl`: the
-//! prefill attention's parameters and its tiles' key units; `grid_wait.wgsl`: the wait of a
-//! barrier across a dispatch's workgroups, for two of the benchmarks' kernels) are prepended
-//! to the kernels that use them, since WGSL has no includes.
+//! prefill attention's parameters and its tiles' key units) are prepended to the kernels that
+//! use them, since WGSL has no includes.
 
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
@@ -30,7 +29,6 @@ const PREFILL_COMMON: Fragment = (
     "attn_prefill_common",
     include_str!("../../kernels/attn_prefill_common.wgsl"),
 );
-const GRID_WAIT: Fragment = ("grid_wait", include_str!("../../kernels/grid_wait.wgsl"));
 const CODE_PAIR_F32: Fragment = (
     "code_pair_f32",
     include_str!("../../kernels/code_pair_f32.wgsl"),
@@ -77,16 +75,6 @@ const KERNELS: &[(&str, &str, &[Fragment])] = &[
         "matmul_coop",
         include_str!("../../kernels/matmul_coop.wgsl"),
         &[GEMM_COMMON],
-    ),
-    (
-        "grid_sync",
-        include_str!("../../kernels/grid_sync.wgsl"),
-        &[GRID_WAIT],
-    ),
-    (
-        "persist_matvec",
-        include_str!("../../kernels/persist_matvec.wgsl"),
-        &[GRID_WAIT],
     ),
     (
         "expert_sort",
