@@ -8,7 +8,7 @@
 //! use them, since WGSL has no includes.
 
 use std::borrow::Cow;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// A fragment: (file name without `.wgsl`, source).
 type Fragment = (&'static str, &'static str);
@@ -33,13 +33,6 @@ const CODE_PAIR_F32: Fragment = (
     "code_pair_f32",
     include_str!("../../kernels/code_pair_f32.wgsl"),
 );
-
-/// Where a developer's edited kernels are read from instead of the compiled-in ones, to try a
-/// kernel variant without rebuilding (`bench kernels` on a device without a toolchain): every
-/// file `NAME.wgsl` in that folder replaces the kernel or fragment of that name (a kernel file
-/// whose first line is `// smoe: standalone` gets no fragments prepended). Unset (the default),
-/// the binary uses only its own sources.
-pub const KERNEL_DIR_ENV: &str = "SMOE_KERNEL_DIR";
 
 /// `embedded`, or the file `name.wgsl` in `dir` where there is one.
 fn text(dir: Option<&Path>, name: &str, embedded: &'static str) -> Cow<'static, str> {
@@ -133,21 +126,14 @@ pub fn kernel_names() -> Vec<&'static str> {
     KERNELS.iter().map(|k| k.0).collect()
 }
 
-/// The full WGSL of `name`, as handed to the device (with `SMOE_KERNEL_DIR`'s edits, if set).
+/// The full compiled-in WGSL of `name`, as handed to the device (`GpuContext::kernel_source`
+/// has it with `GpuTuning::kernel_dir`'s edits).
 pub fn kernel_source(name: &str) -> Option<String> {
-    let dir = std::env::var_os(KERNEL_DIR_ENV).map(PathBuf::from);
-    if let Some(d) = dir.as_ref().filter(|d| !d.is_dir()) {
-        // A mistyped path would otherwise silently measure the compiled-in kernels.
-        tracing::warn!(
-            "{KERNEL_DIR_ENV}={} is not a folder: no kernel edits",
-            d.display()
-        );
-    }
-    source_with_edits(name, dir.as_deref())
+    source_with_edits(name, None)
 }
 
-/// `kernel_source` with the edited kernels of `dir`.
-fn source_with_edits(name: &str, dir: Option<&Path>) -> Option<String> {
+/// `kernel_source` with the edited kernels of `dir` (`GpuTuning::kernel_dir`).
+pub(crate) fn source_with_edits(name: &str, dir: Option<&Path>) -> Option<String> {
     let (name, src, fragments) = KERNELS.iter().find(|k| k.0 == name)?;
     let src = text(dir, name, src);
     // An edited kernel that starts with this line carries its fragments itself.

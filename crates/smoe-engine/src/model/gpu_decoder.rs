@@ -313,13 +313,13 @@ impl GpuDecoder {
         // uploads: the context's VRAM (527 MiB on the H200) is then taken before wgpu allocates
         // the weights and slots, so a card it leaves too small fails the load, not a request.
         if let Some(st) = &mut streaming {
-            st.clocks = match ClockHold::acquire(&ctx.info().adapter) {
+            st.clocks = match ClockHold::acquire(ctx.info()) {
                 Ok(hold) => {
                     tracing::info!("GPU backend: clocks held up by a CUDA context while streaming");
                     Some(hold)
                 }
                 // Worth a line only where it was tried (an NVIDIA GPU).
-                Err(why) if ClockHold::applies(&ctx.info().adapter).is_ok() => {
+                Err(why) if ClockHold::applies(ctx.info()).is_ok() => {
                     tracing::info!("GPU backend: clocks left to the driver ({why}); the decode may run at its idle clock");
                     None
                 }
