@@ -210,8 +210,7 @@ fn gpu_tokens_do_not_depend_on_the_expert_cache() {
             // clock up while streaming; anything else (lavapipe in CI, Mesa's NVK without
             // libcuda) holds nothing.
             use smoe_compute::gpu::ClockHold;
-            let held =
-                ClockHold::applies(&info).is_ok() && ClockHold::driver_loads().is_ok();
+            let held = ClockHold::applies(&info).is_ok() && ClockHold::driver_loads().is_ok();
             assert_eq!(slots.clocks_held, held, "{name} {budget:?}: {info:?}");
             // Unified memory (lavapipe in CI): disk reads land in the mapped slots, and the
             // store keeps no cache beside them.

@@ -11,4 +11,6 @@ mod simd_neon;
 #[cfg(target_arch = "x86_64")]
 mod simd_x86;
 
-pub use matmul::{dot_row, dot_row_scalar, matmul, matmul_rows, set_simd, simd_path, QMatRef, Simd};
+pub use matmul::{
+    dot_row, dot_row_scalar, matmul, matmul_rows, set_simd, simd_path, QMatRef, Simd,
+};

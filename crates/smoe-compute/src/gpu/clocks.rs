@@ -282,7 +282,9 @@ mod tests {
         let mut info = wgpu::AdapterInfo::new(wgpu::DeviceType::Cpu, wgpu::Backend::Vulkan);
         info.name = "llvmpipe".into();
         info.vendor = 0x10005;
-        let why = ClockHold::acquire_for(&info, true).err().expect("not NVIDIA");
+        let why = ClockHold::acquire_for(&info, true)
+            .err()
+            .expect("not NVIDIA");
         assert!(why.contains("not an NVIDIA GPU"), "{why}");
         let why = ClockHold::acquire_for(&info, false).err().expect("off");
         assert!(why.contains("turned off"), "{why}");

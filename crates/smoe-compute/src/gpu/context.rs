@@ -198,7 +198,10 @@ impl GpuContext {
     async fn open(tuning: GpuTuning) -> Result<Self, GpuError> {
         if let Some(d) = tuning.kernel_dir.as_ref().filter(|d| !d.is_dir()) {
             // A mistyped path would otherwise silently measure the compiled-in kernels.
-            tracing::warn!("kernel folder {} is not a folder: no kernel edits", d.display());
+            tracing::warn!(
+                "kernel folder {} is not a folder: no kernel edits",
+                d.display()
+            );
         }
         let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
         desc.backends = wgpu::Backends::from_env().unwrap_or(wgpu::Backends::PRIMARY);

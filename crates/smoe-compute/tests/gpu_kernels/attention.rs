@@ -4,8 +4,8 @@
 use super::{assert_close, gpu, nan_buffer, rand_vec};
 use smoe_compute::cpu::ops::{self, AttnShape};
 use smoe_compute::gpu::{
-    AttnDesc, BufRef, DecodeAttention, FusedRope, GpuContext, GpuError, GpuTuning, PrefillAttention,
-    PrefillAttnTuning, QkNormRope, QkNormRopeDesc,
+    AttnDesc, BufRef, DecodeAttention, FusedRope, GpuContext, GpuError, GpuTuning,
+    PrefillAttention, PrefillAttnTuning, QkNormRope, QkNormRopeDesc,
 };
 
 /// Inverse frequencies as the engine's RopeTable computes them (no YaRN).

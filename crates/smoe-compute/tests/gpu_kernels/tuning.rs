@@ -41,7 +41,8 @@ fn main(@builtin(local_invocation_index) li: u32) {
         "{info:?}"
     );
     assert!(
-        info.to_string().contains("fused tails (router top-k, experts' sum in their matvecs): off"),
+        info.to_string()
+            .contains("fused tails (router top-k, experts' sum in their matvecs): off"),
         "{info}"
     );
     // The default: tails fused on Vulkan (lavapipe, NVIDIA), not over Metal.

@@ -377,7 +377,14 @@ impl GpuDecoder {
             st.lookahead = store.lookahead()?;
             let (piece, lookahead) = (st.max_piece, st.lookahead);
             st.through = Some(Through::new(
-                ctx, &cfg, &acts, piece, depth, lookahead, oracle, &store.tuning,
+                ctx,
+                &cfg,
+                &acts,
+                piece,
+                depth,
+                lookahead,
+                oracle,
+                &store.tuning,
             )?);
         }
         let chain = match weights.embedding(cfg.tie_word_embeddings) {
