@@ -95,6 +95,77 @@ fn info_names_the_adapter() {
     }
 }
 
+/// `SMOE_FUSED_TAILS=0` reaches the GPU device's settings (`GpuTuning::fused_tails`): `smoe
+/// info` reports the fused tails off, where by default Vulkan (lavapipe, NVIDIA) has them on.
+#[test]
+fn info_reports_fused_tails_as_the_environment_sets_them() {
+    if !have_gpu() {
+        return;
+    }
+    let line = |vars: &[(&str, &str)]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_smoe"))
+            .arg("info")
+            .envs(vars.iter().copied())
+            .output()
+            .expect("run smoe");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let l = text.lines().find(|l| l.starts_with("fused tails"));
+        l.unwrap_or_else(|| panic!("no fused tails line: {text}"))
+            .to_owned()
+    };
+    assert!(line(&[("SMOE_FUSED_TAILS", "0")]).ends_with(": off"));
+    let ctx = smoe_engine::gpu::context().unwrap();
+    let on = if ctx.fused_tails() { ": on" } else { ": off" };
+    assert!(line(&[]).ends_with(on), "{}", line(&[]));
+}
+
+/// `SMOE_FUSED_ROUTER=0` reaches the engine's settings (`Tuning::fused_router`): a decoded
+/// token's router, which runs inside the o projection where tails fuse, gets a dispatch of its
+/// own (`bench decode --breakdown` names the steps).
+#[test]
+fn fused_router_off_gives_the_router_its_own_dispatch() {
+    if !have_gpu() || !smoe_engine::gpu::context().unwrap().fused_tails() {
+        return;
+    }
+    let args = [
+        "bench",
+        "decode",
+        "--backend",
+        "gpu",
+        "--tg",
+        "3",
+        "--reps",
+        "1",
+        "--pp",
+        "0",
+        "--breakdown",
+        "--json",
+    ];
+    let steps = |vars: &[(&str, &str)]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_smoe"))
+            .args(args)
+            .envs(vars.iter().copied())
+            .output()
+            .expect("run smoe");
+        let v = json(&out);
+        let run = &v["breakdown"][0];
+        assert_eq!(run["run"], "decode", "{v}");
+        let names = run["steps"].as_array().unwrap().iter();
+        names
+            .map(|s| s["step"].as_str().unwrap().to_owned())
+            .collect::<Vec<_>>()
+    };
+    let fused = steps(&[]);
+    assert!(fused.iter().any(|s| s == "o proj + router"), "{fused:?}");
+    assert!(!fused.iter().any(|s| s == "router"), "{fused:?}");
+    let own = steps(&[("SMOE_FUSED_ROUTER", "0")]);
+    assert!(!own.iter().any(|s| s == "o proj + router"), "{own:?}");
+    assert!(
+        own.iter().any(|s| s == "router") && own.iter().any(|s| s == "o proj"),
+        "{own:?}"
+    );
+}
+
 /// `smoe bench kernels --json`: one row per (shape, type) with GB/s and the ratio to the copy
 /// kernel measured in the same run, and the cost of an empty dependent dispatch.
 #[test]

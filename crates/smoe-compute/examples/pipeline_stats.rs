@@ -6,8 +6,8 @@
 //!   cargo run --release -p smoe-compute --example pipeline_stats -- KERNEL [NAME=VALUE]... [--ir DIR]
 //!
 //! KERNEL is a file of `kernels/` (`matmul_coop`, `matvec_f16`, ...), each NAME=VALUE one of its
-//! `override`s (booleans as 0/1); `SMOE_KERNEL_DIR` edits and `SMOE_EXEC_BARRIERS` (0, gemm or
-//! 1) apply as in the `smoe` binary. `--ir DIR`
+//! `override`s (booleans as 0/1); the `smoe` binary's `SMOE_KERNEL_DIR` and
+//! `SMOE_EXEC_BARRIERS` apply here too. `--ir DIR`
 //! also writes the driver's internal representations (where it offers any) to DIR. The SPIR-V
 //! is the one wgpu's pipeline would run (`smoe_compute::gpu::kernel_spirv`); the pipeline is
 //! built here with ash, on the first Vulkan device that has the extension, with every feature

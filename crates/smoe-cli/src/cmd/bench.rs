@@ -88,9 +88,11 @@ fn kernels(a: KernelArgs) -> Result<()> {
     use smoe_compute::gpu::bench::{
         bench_kernels, device_label, dispatch_floor, qwen3_shapes, BenchShape,
     };
-    use smoe_compute::gpu::{GpuContext, MatVecTuning, Q4Decode};
+    use smoe_compute::gpu::{MatVecTuning, Q4Decode};
     use smoe_vault::DType;
-    let ctx = GpuContext::new().map_err(|e| anyhow::anyhow!("bench kernels needs a GPU: {e}"))?;
+    // The process's device, with the settings `tuning::configure_process` gave it.
+    let ctx = smoe_engine::gpu::context()
+        .map_err(|e| anyhow::anyhow!("bench kernels needs a GPU: {e}"))?;
     if !a.json {
         println!("{}\n", ctx.info());
     }
@@ -267,8 +269,8 @@ fn decode(a: DecodeArgs) -> Result<()> {
     // The bound uses the memory the weights are read from: the GPU's for --backend gpu.
     let on_gpu = engine.model.backend() == "gpu";
     let copy = if on_gpu {
-        let ctx = smoe_compute::gpu::GpuContext::new()
-            .map_err(|e| anyhow::anyhow!("GPU copy bandwidth: {e}"))?;
+        let ctx =
+            smoe_engine::gpu::context().map_err(|e| anyhow::anyhow!("GPU copy bandwidth: {e}"))?;
         smoe_compute::gpu::bench::copy_gbps(&ctx, 100)?
     } else {
         copy_gbps()
