@@ -4,6 +4,7 @@ mod cmd;
 mod common;
 mod sampling_args;
 mod store_args;
+mod tuning;
 
 use clap::{Parser, Subcommand};
 
@@ -76,6 +77,11 @@ fn main() {
             eprintln!("error: --threads: {e}");
             std::process::exit(2);
         }
+    }
+    // The CPU kernels' path and the GPU device's settings, before any command uses them.
+    if let Err(e) = tuning::configure_process() {
+        eprintln!("error: {}", one_line(&e));
+        std::process::exit(2);
     }
     let result = match cli.command {
         Command::Convert(a) => cmd::convert::run(a),

@@ -68,6 +68,7 @@ impl StoreArgs {
             profile: !self.no_profile,
             read_threads: self.read_threads,
             read_piece: parse_read_piece(&self.read_piece).context("--read-piece")?,
+            tuning: crate::tuning::engine()?,
             ..StoreOptions::default()
         })
     }

@@ -251,6 +251,60 @@ fn bad_input_gives_one_line_errors() {
     assert!(!smoe(&["generate", "-m", &m]).status.success());
 }
 
+/// The `SMOE_*` variables reach the libraries' settings (`src/tuning.rs`): `SMOE_SIMD=portable`
+/// puts the CPU kernels on the portable path (`smoe info` says which runs), and a variable with
+/// a bad value is a one-line error naming it.
+#[test]
+fn environment_variables_set_the_tuning() {
+    let info = |vars: &[(&str, &str)]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_smoe"))
+            .arg("info")
+            .envs(vars.iter().copied())
+            .output()
+            .expect("run smoe");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let cpu = text
+            .lines()
+            .find(|l| l.starts_with("cpu:"))
+            .map(str::to_owned);
+        cpu.unwrap_or_else(|| panic!("no cpu line: {text}"))
+    };
+    assert!(info(&[("SMOE_SIMD", "portable")]).ends_with("kernels portable"));
+    let best = info(&[]);
+    assert!(
+        ["avx2+fma", "neon", "portable"]
+            .iter()
+            .any(|p| best.ends_with(&format!("kernels {p}"))),
+        "{best}"
+    );
+    let m = demo();
+    for (var, value) in [
+        ("SMOE_LOOKAHEAD_DEPTH", "9"),
+        ("SMOE_GPU_SPECULATE", "many"),
+        ("SMOE_ROUTE_TRACE", "somewhere"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_smoe"))
+            .args([
+                "generate",
+                "-m",
+                &m,
+                "--prompt-ids",
+                "1",
+                "--backend",
+                "cpu",
+            ])
+            .env(var, value)
+            .output()
+            .expect("run smoe");
+        assert_one_line_error(&out, &format!("{var}={value}"));
+    }
+}
+
 #[test]
 fn inspect_lists_tensors_and_verifies() {
     let out = smoe(&["inspect", &demo(), "--verify"]);

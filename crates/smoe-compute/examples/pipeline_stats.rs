@@ -6,7 +6,8 @@
 //!   cargo run --release -p smoe-compute --example pipeline_stats -- KERNEL [NAME=VALUE]... [--ir DIR]
 //!
 //! KERNEL is a file of `kernels/` (`matmul_coop`, `matvec_f16`, ...), each NAME=VALUE one of its
-//! `override`s (booleans as 0/1); `SMOE_KERNEL_DIR` edits apply as everywhere else. `--ir DIR`
+//! `override`s (booleans as 0/1); the `smoe` binary's `SMOE_KERNEL_DIR` and
+//! `SMOE_EXEC_BARRIERS` apply here too. `--ir DIR`
 //! also writes the driver's internal representations (where it offers any) to DIR. The SPIR-V
 //! is the one wgpu's pipeline would run (`smoe_compute::gpu::kernel_spirv`); the pipeline is
 //! built here with ash, on the first Vulkan device that has the extension, with every feature
@@ -40,7 +41,17 @@ fn run() -> Result<(), String> {
         constants.push((k.to_string(), v));
     }
     let consts: Vec<(&str, f64)> = constants.iter().map(|(k, v)| (k.as_str(), *v)).collect();
-    let (words, bindings) = smoe_compute::gpu::kernel_spirv(&kernel, &consts)?;
+    use smoe_compute::gpu::{ExecBarriers, GpuTuning};
+    let tuning = GpuTuning {
+        kernel_dir: std::env::var_os("SMOE_KERNEL_DIR").map(Into::into),
+        exec_barriers: match std::env::var("SMOE_EXEC_BARRIERS").as_deref() {
+            Ok("0") => Some(ExecBarriers::Off),
+            Ok("gemm") => Some(ExecBarriers::TensorCoreGemm),
+            _ => None,
+        },
+        ..GpuTuning::default()
+    };
+    let (words, bindings) = smoe_compute::gpu::kernel_spirv(&kernel, &consts, &tuning)?;
     // SAFETY: plain Vulkan calls on objects made here, destroyed before returning.
     unsafe { stats(&kernel, &words, &bindings, ir_dir.as_deref()) }
 }

@@ -15,6 +15,8 @@ mod msl;
 mod ops;
 #[path = "gpu_kernels/tails.rs"]
 mod tails;
+#[path = "gpu_kernels/tuning.rs"]
+mod tuning;
 
 use smoe_compute::gpu::{wgpu, GpuContext};
 use std::sync::OnceLock;

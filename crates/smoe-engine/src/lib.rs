@@ -13,7 +13,9 @@ pub mod spec;
 pub mod state;
 pub mod store;
 pub mod tokenizer;
+pub mod tuning;
 
 pub use engine::{Engine, GenerateOptions, Generation, LogprobsResult, Session};
 pub use error::EngineError;
 pub use model::{Logits, Model};
+pub use tuning::Tuning;

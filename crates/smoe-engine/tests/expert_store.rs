@@ -30,10 +30,7 @@ fn open_with(path: &Path, budget: CacheBudget, profile: bool, read_piece: usize)
         read_threads: 4,
         read_piece,
         fault: None,
-        mapped_slots: true,
-        route_trace: None,
-        lookahead_depth: None,
-        lookahead_top: None,
+        tuning: Default::default(),
     };
     Engine::open(
         path,
@@ -243,10 +240,7 @@ fn slow_logged_store(v: &TempVault, ms: u64) -> (smoe_engine::store::Experts, Re
         read_threads: 1,
         read_piece: DEFAULT_READ_PIECE,
         fault: Some(fault),
-        mapped_slots: true,
-        route_trace: None,
-        lookahead_depth: None,
-        lookahead_top: None,
+        tuning: Default::default(),
     };
     let vault = smoe_vault::Vault::open(v.path()).unwrap();
     let experts = smoe_engine::store::Experts::open(&vault, &opts).unwrap();
@@ -388,10 +382,7 @@ fn open_with_fault(
         read_threads: 2,
         read_piece: 16 << 10,
         fault: Some(fault),
-        mapped_slots: true,
-        route_trace: None,
-        lookahead_depth: None,
-        lookahead_top: None,
+        tuning: Default::default(),
     };
     let opts = EngineOptions {
         store,
@@ -411,10 +402,7 @@ fn store_of_pieces(v: &TempVault) -> (smoe_vault::Vault, smoe_engine::store::Exp
         read_threads: 3,
         read_piece: 16 << 10,
         fault: None,
-        mapped_slots: true,
-        route_trace: None,
-        lookahead_depth: None,
-        lookahead_top: None,
+        tuning: Default::default(),
     };
     let vault = smoe_vault::Vault::open(v.path()).unwrap();
     let experts = smoe_engine::store::Experts::open(&vault, &opts).unwrap();

@@ -246,3 +246,65 @@ fn reused_kv_caches_give_fresh_results() {
     }
     assert!(g.kept_kv_caches() <= 4);
 }
+
+/// `Tuning::fused_router` takes effect: on (the default), where tails fuse, a decoded token's
+/// router runs in its o projection's last workgroups ("o proj + router"); off, the router has a
+/// dispatch of its own after the o projection: one dispatch more per MoE layer and token, the
+/// same logits.
+#[test]
+fn the_fused_router_switch_changes_the_decode_layers_dispatches() {
+    use smoe_engine::store::StoreOptions;
+    use std::collections::BTreeMap;
+    if !have_gpu() {
+        return;
+    }
+    let name = &smoe_fixtures::names_of(&["qwen3_moe"])[0];
+    let v = TempVault::new(name, DType::Q8);
+    let moe_layers = (smoe_vault::Vault::open(&v.0).unwrap().header.config)
+        .moe_layers()
+        .count() as u64;
+    let tokens = [3u32, 1, 4, 1, 5];
+    // (dispatches per step over the tokens' passes, the last pass's logits)
+    let run = |fused_router: bool| {
+        let store = StoreOptions {
+            tuning: smoe_engine::Tuning {
+                fused_router,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let opts = EngineOptions {
+            backend: Backend::Gpu,
+            store,
+            ..Default::default()
+        };
+        let e = Engine::open(&v.0, opts).expect("open");
+        e.model.profile_start(true).ok()?;
+        let mut s = e.session(tokens.len());
+        let mut logits = vec![];
+        for t in tokens {
+            logits = s.feed(&[t], Logits::Last).unwrap();
+        }
+        let p = e.model.profile_take().expect("profiling");
+        let steps: BTreeMap<&str, u64> = p.steps.iter().map(|(l, _, n)| (*l, *n)).collect();
+        Some((steps, logits))
+    };
+    let Some((fused, fused_logits)) = run(true) else {
+        eprintln!("skipped: no timestamps inside passes on this adapter");
+        return;
+    };
+    let (plain, plain_logits) = run(false).unwrap();
+    let per_layer = moe_layers * tokens.len() as u64;
+    let ctx = smoe_engine::gpu::context().unwrap();
+    if ctx.fused_tails() {
+        assert_eq!(fused.get("o proj + router"), Some(&per_layer), "{fused:?}");
+        assert_eq!(fused.get("router"), None, "{fused:?}");
+    }
+    assert_eq!(plain.get("o proj + router"), None, "{plain:?}");
+    assert_eq!(plain.get("router"), Some(&per_layer), "{plain:?}");
+    let total = |m: &BTreeMap<&str, u64>| m.values().sum::<u64>();
+    let extra = if ctx.fused_tails() { per_layer } else { 0 };
+    assert_eq!(total(&plain), total(&fused) + extra, "{plain:?} {fused:?}");
+    let dev = (plain_logits.iter().zip(&fused_logits)).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(dev < 1e-3, "logits differ by {dev}");
+}

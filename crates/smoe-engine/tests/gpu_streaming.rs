@@ -9,8 +9,8 @@
 use smoe_compute::gpu::wgpu;
 use smoe_engine::engine::{Backend, EngineOptions};
 use smoe_engine::model::gpu_decoder::{RouteTrace, SlotStats};
-use smoe_engine::store::{CacheBudget, StoreOptions, DEFAULT_READ_PIECE};
-use smoe_engine::{Engine, Model};
+use smoe_engine::store::{CacheBudget, Lookahead, StoreOptions, DEFAULT_READ_PIECE};
+use smoe_engine::{Engine, Model, Tuning};
 use smoe_vault::DType;
 use std::path::Path;
 
@@ -39,10 +39,11 @@ fn open_traced(
             read_threads: 4,
             read_piece,
             fault: None,
-            mapped_slots,
-            route_trace,
-            lookahead_depth: None,
-            lookahead_top: None,
+            tuning: Tuning {
+                mapped_slots,
+                route_trace,
+                ..Default::default()
+            },
             ..Default::default()
         },
         path,
@@ -209,8 +210,7 @@ fn gpu_tokens_do_not_depend_on_the_expert_cache() {
             // clock up while streaming; anything else (lavapipe in CI, Mesa's NVK without
             // libcuda) holds nothing.
             use smoe_compute::gpu::ClockHold;
-            let held =
-                ClockHold::applies(&info.adapter).is_ok() && ClockHold::driver_loads().is_ok();
+            let held = ClockHold::applies(&info).is_ok() && ClockHold::driver_loads().is_ok();
             assert_eq!(slots.clocks_held, held, "{name} {budget:?}: {info:?}");
             // Unified memory (lavapipe in CI): disk reads land in the mapped slots, and the
             // store keeps no cache beside them.
@@ -264,10 +264,10 @@ fn gpu_tokens_do_not_depend_on_the_expert_cache() {
     }
 }
 
-/// A lookahead over several MoE layers (`StoreOptions::lookahead_depth`): each decode layer
+/// A lookahead over several MoE layers (`Tuning::lookahead`): each decode layer
 /// predicts the next three MoE layers' experts and the host starts reading the deeper guesses
 /// too — more guessed reads than a one-layer lookahead, the same tokens; fewer when each guess
-/// keeps only its token's best-ranked expert (`lookahead_top`; the slot maps then halt only for
+/// keeps only its token's best-ranked expert (`Lookahead::top`; the slot maps then halt only for
 /// those).
 #[test]
 fn a_deeper_lookahead_reads_further_ahead_and_changes_no_token() {
@@ -293,7 +293,13 @@ fn a_deeper_lookahead_reads_further_ahead_and_changes_no_token() {
     let v = TempVault::new("tiny-qwen2moe", DType::Q4);
     let bad = StoreOptions {
         budget: CacheBudget::Bytes(0),
-        lookahead_depth: Some(9),
+        tuning: Tuning {
+            lookahead: Lookahead {
+                depth: 9,
+                ..Default::default()
+            },
+            ..Default::default()
+        },
         ..Default::default()
     };
     let err = Engine::open(
@@ -405,10 +411,6 @@ fn gpu_streaming_faults_fail_the_request_and_nothing_stays_cached() {
         read_threads: 2,
         read_piece: DEFAULT_READ_PIECE,
         fault: Some(fault),
-        mapped_slots: true,
-        route_trace: None,
-        lookahead_depth: None,
-        lookahead_top: None,
         ..Default::default()
     };
     let opts = EngineOptions {
@@ -473,10 +475,6 @@ fn a_saved_profile_preloads_the_vram_slots() {
             read_threads: 4,
             read_piece: DEFAULT_READ_PIECE,
             fault: None,
-            mapped_slots: true,
-            route_trace: None,
-            lookahead_depth: None,
-            lookahead_top: None,
             ..Default::default()
         };
         let opts = EngineOptions {
@@ -542,7 +540,10 @@ fn a_host_cache_larger_than_the_vram_slots() {
             budget: CacheBudget::Fraction(1.0),
             vram_budget: Some(CacheBudget::Fraction(0.25)),
             profile: false,
-            mapped_slots: false,
+            tuning: Tuning {
+                mapped_slots: false,
+                ..Default::default()
+            },
             ..Default::default()
         },
         &v.0,
@@ -608,7 +609,10 @@ fn slots_that_do_not_fit_are_halved_unless_the_vram_budget_was_given() {
         vram_budget,
         vram_limit: Some(limit),
         profile: false,
-        mapped_slots: false,
+        tuning: Tuning {
+            mapped_slots: false,
+            ..Default::default()
+        },
         ..Default::default()
     };
     let e = open_store(store(None), &v.0);
@@ -722,7 +726,10 @@ fn resident_experts_beyond_the_free_vram_are_streamed() {
             budget: CacheBudget::Resident,
             vram_limit: Some(limit),
             profile: false,
-            mapped_slots: false,
+            tuning: Tuning {
+                mapped_slots: false,
+                ..Default::default()
+            },
             ..Default::default()
         },
         &v.0,

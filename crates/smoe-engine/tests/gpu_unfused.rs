@@ -1,10 +1,12 @@
-//! The GPU decode path without fused tails (`SMOE_FUSED_TAILS=0`, and what Metal and other
-//! non-Vulkan backends always run): the router's top-k, the experts' weighted sum and the decode
-//! attention's merge of its splits as dispatches of their own. A test binary of its own, because the choice is made once per process, when the
-//! shared GPU context opens. Decode logits against the CPU's on every fixture.
+//! The GPU decode path without fused tails (`GpuTuning::fused_tails` false, and what Metal and
+//! other non-Vulkan backends always run): the router's top-k, the experts' weighted sum and the
+//! decode attention's merge of its splits as dispatches of their own. A test binary of its own,
+//! because the process's GPU device is opened once, with the settings `gpu::configure` gave it.
+//! Decode logits against the CPU's on every fixture.
 
+use smoe_compute::gpu::GpuTuning;
 use smoe_engine::engine::{Backend, EngineOptions};
-use smoe_engine::Engine;
+use smoe_engine::{gpu, Engine};
 use smoe_vault::DType;
 
 mod common;
@@ -21,13 +23,21 @@ fn open(v: &TempVault, backend: Backend) -> Engine {
 #[test]
 fn unfused_decode_matches_cpu() {
     // Before anything opens the GPU: the only test of this binary.
-    std::env::set_var("SMOE_FUSED_TAILS", "0");
+    let tuning = GpuTuning {
+        fused_tails: false,
+        ..GpuTuning::default()
+    };
+    gpu::configure(tuning.clone()).expect("the first settings");
     if !have_gpu() {
         return;
     }
-    let probe = smoe_compute::gpu::GpuContext::new().expect("GPU context");
-    assert!(!probe.fused_tails(), "SMOE_FUSED_TAILS=0 was not honoured");
-    drop(probe);
+    let ctx = gpu::context().unwrap();
+    assert!(!ctx.fused_tails(), "fused_tails false was not honoured");
+    assert_eq!(ctx.tuning(), &tuning);
+    // The device is open: the same settings are accepted again, others refused.
+    gpu::configure(tuning).expect("the same settings");
+    let err = gpu::configure(GpuTuning::default()).unwrap_err();
+    assert!(err.to_string().contains("other settings"), "{err}");
     for name in smoe_fixtures::names() {
         let v = TempVault::new(&name, DType::Q8);
         let (gpu, cpu) = (open(&v, Backend::Gpu), open(&v, Backend::Cpu));

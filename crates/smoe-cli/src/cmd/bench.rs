@@ -17,9 +17,7 @@ pub enum Bench {
     Decode(DecodeArgs),
     /// GB/s of each GPU matvec kernel at Qwen3-MoE shapes beside a copy kernel's GB/s, TFLOP/s
     /// of the prefill kernels (token-batched GEMM, prefill attention) at 512 tokens, and what a
-    /// dependent dispatch with nothing to do costs (the floor of every decode step), beside a
-    /// barrier across the workgroups of one dispatch (what a persistent kernel's step would
-    /// cost instead), and a chain of 48 products run both ways.
+    /// dependent dispatch with nothing to do costs (the floor of every decode step).
     Kernels(KernelArgs),
     /// The server under load: total tok/s and p50/p99 latency at several numbers of clients.
     Serve(crate::cmd::bench_serve::Args),
@@ -71,9 +69,8 @@ pub struct KernelArgs {
     #[arg(long)]
     sweep: bool,
     /// Only the shapes whose name contains this (e.g. "down", "235B", "router", "attn dec" for
-    /// the decode attention with its RoPE, "pf512" for prefill). The dispatch floor, the grid
-    /// barrier and the persistent chain, which every run without it measures first, then run
-    /// only if their names match ("dispatch floor", "grid barrier", "persistent chain").
+    /// the decode attention with its RoPE, "pf512" for prefill). The dispatch floor, which every
+    /// run without it measures first, then runs only if its name matches ("dispatch floor").
     #[arg(long, value_name = "TEXT")]
     shape: Option<String>,
 }
@@ -89,12 +86,13 @@ pub fn run(b: Bench) -> Result<()> {
 
 fn kernels(a: KernelArgs) -> Result<()> {
     use smoe_compute::gpu::bench::{
-        bench_kernels, device_label, dispatch_floor, grid_barrier, persistent_chain, qwen3_shapes,
-        BenchShape,
+        bench_kernels, device_label, dispatch_floor, qwen3_shapes, BenchShape,
     };
-    use smoe_compute::gpu::{GpuContext, MatVecTuning, Q4Decode};
+    use smoe_compute::gpu::{MatVecTuning, Q4Decode};
     use smoe_vault::DType;
-    let ctx = GpuContext::new().map_err(|e| anyhow::anyhow!("bench kernels needs a GPU: {e}"))?;
+    // The process's device, with the settings `tuning::configure_process` gave it.
+    let ctx = smoe_engine::gpu::context()
+        .map_err(|e| anyhow::anyhow!("bench kernels needs a GPU: {e}"))?;
     if !a.json {
         println!("{}\n", ctx.info());
     }
@@ -109,31 +107,19 @@ fn kernels(a: KernelArgs) -> Result<()> {
     };
     let wanted = |name: &str| a.shape.as_ref().is_none_or(|f| name.contains(f.as_str()));
     let shapes: Vec<_> = shapes.into_iter().filter(|s| wanted(&s.name)).collect();
-    let [want_floor, want_grid, want_chain] =
-        ["dispatch floor", "grid barrier", "persistent chain"].map(wanted);
-    if shapes.is_empty() && !(want_floor || want_grid || want_chain) {
+    let want_floor = wanted("dispatch floor");
+    if shapes.is_empty() && !want_floor {
         bail!(
             "no benchmark shape matches --shape {:?}",
             a.shape.unwrap_or_default()
         );
     }
-    // Once, before the shapes: what every decode step pays at least,
+    // Once, before the shapes: what every decode step pays at least.
     let floor = want_floor
         .then(|| dispatch_floor(&ctx, a.iters))
         .transpose()?;
-    // what a persistent kernel would pay per step instead (a barrier inside one dispatch),
-    let grid = want_grid
-        .then(|| grid_barrier(&ctx, 10 * a.iters))
-        .transpose()?;
-    // and the two on the same chain of products (a persistent kernel's possible gain).
-    let chain = want_chain.then(|| persistent_chain(&ctx)).transpose()?;
-    if !a.json {
-        let shown = [
-            floor.as_ref().map(|x| x.to_string()),
-            grid.as_ref().map(|x| x.to_string()),
-            chain.as_ref().map(|x| x.to_string()),
-        ];
-        shown.iter().flatten().for_each(|m| println!("{m}\n"));
+    if let (Some(floor), false) = (&floor, a.json) {
+        println!("{floor}\n");
     }
     let device = device_label(&ctx);
     // (copy_gb_per_s stays 0 where --shape left no shape to measure beside it.)
@@ -199,24 +185,11 @@ fn kernels(a: KernelArgs) -> Result<()> {
     if a.json {
         println!(
             "{}",
-            // (Each of the three is null where --shape left it out.)
+            // (The floor is null where --shape left it out.)
             serde_json::json!({"device": device, "copy_gb_per_s": copy,
                 "dependent_dispatch_us": floor.map(|floor| serde_json::json!({
                     "one_workgroup": floor.one_us,
                     "workgroups": floor.wide_groups, "many_workgroups": floor.wide_us})),
-                "grid_barrier": grid.map(|grid| serde_json::json!({"rounds": grid.rounds,
-                    "skipped": grid.skipped,
-                    "rows": grid.rows.iter().map(|r|
-                    serde_json::json!({"workgroups": r.groups, "us_per_round": r.us_per_round,
-                        "stale_reads": r.stale})).collect::<Vec<_>>()})),
-                "persistent_chain": chain.map(|chain| serde_json::json!({"steps": chain.steps,
-                    "workgroups": chain.groups,
-                    "skipped": chain.skipped, "dispatch_us_per_step": chain.dispatch_us,
-                    "persistent_us_per_step": chain.persistent_us,
-                    "early_loads_us_per_step": chain.early_us,
-                    "overlapped_us_per_step": chain.overlap_us,
-                    "overlapped_early_loads_us_per_step": chain.overlap_early_us,
-                    "max_rel_diff": chain.max_rel_diff})),
                 "rows": rows, "errors": errors})
         );
     }
@@ -296,8 +269,8 @@ fn decode(a: DecodeArgs) -> Result<()> {
     // The bound uses the memory the weights are read from: the GPU's for --backend gpu.
     let on_gpu = engine.model.backend() == "gpu";
     let copy = if on_gpu {
-        let ctx = smoe_compute::gpu::GpuContext::new()
-            .map_err(|e| anyhow::anyhow!("GPU copy bandwidth: {e}"))?;
+        let ctx =
+            smoe_engine::gpu::context().map_err(|e| anyhow::anyhow!("GPU copy bandwidth: {e}"))?;
         smoe_compute::gpu::bench::copy_gbps(&ctx, 100)?
     } else {
         copy_gbps()

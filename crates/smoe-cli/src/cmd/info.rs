@@ -11,7 +11,11 @@ pub struct Args {}
 
 pub fn run(_a: Args) -> Result<()> {
     println!("smoe {}", env!("CARGO_PKG_VERSION"));
-    println!("cpu: {} threads", rayon::current_num_threads());
+    println!(
+        "cpu: {} threads, kernels {}",
+        rayon::current_num_threads(),
+        smoe_compute::cpu::simd_path()
+    );
     // The engine's device: a discrete / high-performance adapter first.
     match gpu::context() {
         Ok(ctx) => {

@@ -81,18 +81,44 @@ enum Path {
     Simd,
 }
 
-/// The path chosen for this process: the best detected one unless `SMOE_SIMD=portable`. Read
-/// once, since feature detection and the environment lookup are not free and cannot change.
+/// Which CPU kernels a process runs (`set_simd`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Simd {
+    /// The best SIMD path the CPU has (AVX2+FMA, NEON), else the portable one. The default.
+    #[default]
+    Best,
+    /// The portable kernels (the tests' reference), whatever the CPU has: for comparisons.
+    Portable,
+}
+
+/// The path of each choice on this CPU.
+fn resolve(choice: Simd) -> Path {
+    match choice {
+        Simd::Best if simd::detected() => Path::Simd,
+        _ => Path::Portable,
+    }
+}
+
+/// The path this process runs, fixed at first use (feature detection is not free).
+static PATH: OnceLock<Path> = OnceLock::new();
+
+/// Chooses this process's CPU kernels; call it before the first product. Fails, naming the path
+/// in use, where products already ran on another path (or an earlier call chose one): the
+/// choice is made once per process.
+pub fn set_simd(choice: Simd) -> Result<(), String> {
+    let want = resolve(choice);
+    match *PATH.get_or_init(|| want) {
+        p if p == want => Ok(()),
+        _ => Err(format!(
+            "the CPU kernels already run on the {} path (the SIMD choice is made once per process)",
+            simd_path()
+        )),
+    }
+}
+
+/// The path chosen for this process: `set_simd`'s, else the best detected one.
 fn active_path() -> Path {
-    static PATH: OnceLock<Path> = OnceLock::new();
-    *PATH.get_or_init(|| {
-        let forced = std::env::var("SMOE_SIMD").is_ok_and(|v| v.eq_ignore_ascii_case("portable"));
-        if !forced && simd::detected() {
-            Path::Simd
-        } else {
-            Path::Portable
-        }
-    })
+    *PATH.get_or_init(|| resolve(Simd::Best))
 }
 
 /// Which SIMD path is active: `"avx2+fma"`, `"neon"` or `"portable"`.

@@ -266,8 +266,12 @@ fn dot_row_rejects_partial_groups() {
 fn simd_path_is_reported() {
     let p = simd_path();
     assert!(["avx2+fma", "neon", "portable"].contains(&p), "{p}");
-    let forced = std::env::var("SMOE_SIMD").is_ok_and(|v| v.eq_ignore_ascii_case("portable"));
-    assert_eq!(p == "portable", forced || !simd::detected(), "{p}");
+    // Nothing in this test binary chooses: the best path runs, and choosing it again is fine.
+    assert_eq!(p == "portable", !simd::detected(), "{p}");
+    set_simd(Simd::Best).unwrap();
+    // The portable path differs where there is SIMD: refused once products ran.
+    assert_eq!(set_simd(Simd::Portable).is_err(), simd::detected());
+    assert_eq!(simd_path(), p);
 }
 
 /// `cargo test --release -p smoe-compute -- --ignored --nocapture throughput`

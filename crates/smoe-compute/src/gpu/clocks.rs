@@ -12,8 +12,9 @@
 //! (docs/performance.md, "The GPU's clock while streaming"): streamed decode +18 % and +24 % on
 //! average at 25 and 50 % budgets, resident decode unchanged. The price: the context's device
 //! memory (527 MiB on the H200) and the power of a GPU held at full clock while the model is
-//! loaded. `SMOE_GPU_HOLD_CLOCKS=0` turns it off.
+//! loaded. `GpuTuning::hold_clocks` false turns it off.
 
+use super::GpuInfo;
 use std::ffi::{c_int, c_void};
 use std::sync::OnceLock;
 
@@ -205,24 +206,22 @@ impl ClockHold {
         Cuda::get().map(|_| ())
     }
 
-    /// Whether `acquire` would try `adapter` at all (an NVIDIA GPU, not turned off by
-    /// `SMOE_GPU_HOLD_CLOCKS=0`), or why not. Where it would, a failed `acquire` is worth
-    /// telling the user: the clock will drop while the decode waits for reads.
-    pub fn applies(adapter: &wgpu::AdapterInfo) -> Result<(), String> {
-        if std::env::var("SMOE_GPU_HOLD_CLOCKS").is_ok_and(|v| v == "0") {
-            return Err("turned off (SMOE_GPU_HOLD_CLOCKS=0)".into());
-        }
-        if adapter.vendor != NVIDIA {
-            return Err(format!("{} is not an NVIDIA GPU", adapter.name));
-        }
-        Ok(())
+    /// Whether `acquire` would try the context's adapter at all (an NVIDIA GPU, and
+    /// `GpuInfo::hold_clocks`), or why not. Where it would, a failed `acquire` is worth telling
+    /// the user: the clock will drop while the decode waits for reads.
+    pub fn applies(info: &GpuInfo) -> Result<(), String> {
+        applies_to(&info.adapter, info.hold_clocks)
     }
 
-    /// Retains the CUDA primary context of the device behind `adapter`; `Err` says why not
-    /// (`applies`' reasons, no driver library, no matching device). Never fatal: callers log
-    /// the reason and go on.
-    pub fn acquire(adapter: &wgpu::AdapterInfo) -> Result<ClockHold, String> {
-        Self::applies(adapter)?;
+    /// Retains the CUDA primary context of the device behind the context's adapter; `Err` says
+    /// why not (`applies`' reasons, no driver library, no matching device). Never fatal:
+    /// callers log the reason and go on.
+    pub fn acquire(info: &GpuInfo) -> Result<ClockHold, String> {
+        Self::acquire_for(&info.adapter, info.hold_clocks)
+    }
+
+    fn acquire_for(adapter: &wgpu::AdapterInfo, hold: bool) -> Result<ClockHold, String> {
+        applies_to(adapter, hold)?;
         let (cuda, dev) = cuda_device(adapter)?;
         let mut ctx = std::ptr::null_mut();
         // SAFETY: `dev` came from cuDeviceGet; the out-pointer is a live local. The context is
@@ -233,6 +232,17 @@ impl ClockHold {
         )?;
         Ok(ClockHold { cuda, dev })
     }
+}
+
+/// `ClockHold::applies` for an adapter, `hold` saying whether holding is wanted at all.
+fn applies_to(adapter: &wgpu::AdapterInfo, hold: bool) -> Result<(), String> {
+    if !hold {
+        return Err("turned off (tuning: hold_clocks false)".into());
+    }
+    if adapter.vendor != NVIDIA {
+        return Err(format!("{} is not an NVIDIA GPU", adapter.name));
+    }
+    Ok(())
 }
 
 impl Drop for ClockHold {
@@ -272,10 +282,11 @@ mod tests {
         let mut info = wgpu::AdapterInfo::new(wgpu::DeviceType::Cpu, wgpu::Backend::Vulkan);
         info.name = "llvmpipe".into();
         info.vendor = 0x10005;
-        let why = ClockHold::acquire(&info).err().expect("not NVIDIA");
-        assert!(
-            why.contains("not an NVIDIA GPU") || why.contains("turned off"),
-            "{why}"
-        );
+        let why = ClockHold::acquire_for(&info, true)
+            .err()
+            .expect("not NVIDIA");
+        assert!(why.contains("not an NVIDIA GPU"), "{why}");
+        let why = ClockHold::acquire_for(&info, false).err().expect("off");
+        assert!(why.contains("turned off"), "{why}");
     }
 }

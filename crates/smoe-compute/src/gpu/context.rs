@@ -2,6 +2,7 @@
 //! Buffer helpers are in `buffers.rs`.
 
 use super::kernels;
+use super::tuning::{ExecBarriers, GpuTuning};
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex};
@@ -39,46 +40,8 @@ pub struct GpuInfo {
     /// Which kernels' workgroup barriers are execution barriers without memory semantics
     /// (`spirv::execution_only_barriers`; see `ExecBarriers`).
     pub exec_barriers: ExecBarriers,
-}
-
-/// Which kernels are compiled with execution-only workgroup barriers
-/// (`spirv::execution_only_barriers`). Needs passthrough SPIR-V, which the device is opened with
-/// only where the matrix units are used; by default on NVIDIA's own driver, `AllKernels`.
-/// `SMOE_EXEC_BARRIERS=0` turns it off, `=gemm` limits it to the tensor-core GEMM, `=1` forces
-/// it on every kernel wherever the matrix units are used.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ExecBarriers {
-    Off,
-    /// Only the tensor-core GEMM (compiled by us anyway).
-    TensorCoreGemm,
-    /// Every kernel: all of them are compiled by us and handed over as passthrough SPIR-V.
-    AllKernels,
-}
-
-impl ExecBarriers {
-    /// Whether a kernel's barriers lose their memory semantics (`cooperative`: the tensor-core
-    /// GEMM).
-    pub fn covers(self, cooperative: bool) -> bool {
-        match self {
-            ExecBarriers::Off => false,
-            ExecBarriers::TensorCoreGemm => cooperative,
-            ExecBarriers::AllKernels => true,
-        }
-    }
-}
-
-/// `SMOE_EXEC_BARRIERS`: 0, `gemm` or 1; `None` when unset (the default) or unrecognised.
-pub(crate) fn exec_barriers_setting() -> Option<ExecBarriers> {
-    match std::env::var("SMOE_EXEC_BARRIERS").as_deref() {
-        Ok("0") => Some(ExecBarriers::Off),
-        Ok("gemm") => Some(ExecBarriers::TensorCoreGemm),
-        Ok("1") => Some(ExecBarriers::AllKernels),
-        Ok(other) => {
-            tracing::warn!("SMOE_EXEC_BARRIERS={other}: expected 0, gemm or 1; using the default");
-            None
-        }
-        Err(_) => None,
-    }
+    /// Whether a streaming decoder holds an NVIDIA GPU's clocks up (`GpuTuning::hold_clocks`).
+    pub hold_clocks: bool,
 }
 
 /// Whether the adapter is NVIDIA's own Vulkan driver (not Mesa's NVK), whose workgroup
@@ -90,19 +53,18 @@ fn nvidia_driver(info: &wgpu::AdapterInfo) -> bool {
 /// Fused tails rely on a storage barrier publishing a workgroup's writes device-wide before its
 /// atomic count-in: naga emits a device-scope acquire-release barrier for SPIR-V (Vulkan), while
 /// Metal's `threadgroup_barrier(mem_device)` orders memory only within the threadgroup. So they
-/// are used on Vulkan only — not through MoltenVK, which is Metal underneath —
-/// and `SMOE_FUSED_TAILS=0` turns them off there too.
-fn fused_tails_probe(info: &wgpu::AdapterInfo) -> bool {
-    let off = std::env::var("SMOE_FUSED_TAILS").is_ok_and(|v| v == "0");
+/// are used on Vulkan only — not through MoltenVK, which is Metal underneath — and only where
+/// `GpuTuning::fused_tails` (`wanted`) allows them.
+fn fused_tails_probe(info: &wgpu::AdapterInfo, wanted: bool) -> bool {
     let metal_underneath = info.driver.contains("MoltenVK") || info.name.contains("Apple");
-    info.backend == wgpu::Backend::Vulkan && !metal_underneath && !off
+    info.backend == wgpu::Backend::Vulkan && !metal_underneath && wanted
 }
 
 /// Whether the prefill GEMMs use the matrix units (tensor cores): `kernels/matmul_coop.wgsl`,
 /// 16 × 16 × 16 f16 cooperative matrices with f32 sums, needs the adapter to list that
 /// configuration, to run subgroups of exactly 32 invocations (NVIDIA's Vulkan driver does; Metal
 /// offers only 8 × 8, lavapipe none) and to take passthrough SPIR-V (see `spirv.rs` for why).
-/// `SMOE_MATRIX_UNITS=0` turns them off.
+/// `GpuTuning::matrix_units` false turns them off.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum MatrixUnits {
     Used,
@@ -111,10 +73,9 @@ pub enum MatrixUnits {
 }
 
 impl MatrixUnits {
-    fn probe(adapter: &wgpu::Adapter) -> Self {
+    fn probe(adapter: &wgpu::Adapter, wanted: bool) -> Self {
         use wgpu::CooperativeScalarType as T;
         let info = adapter.get_info();
-        let off = std::env::var("SMOE_MATRIX_UNITS").is_ok_and(|v| v == "0");
         let f16_config = adapter.cooperative_matrix_properties().iter().any(|c| {
             (c.m_size, c.n_size, c.k_size) == (16, 16, 16)
                 && c.ab_type == T::F16
@@ -125,8 +86,8 @@ impl MatrixUnits {
             && adapter
                 .features()
                 .contains(wgpu::Features::PASSTHROUGH_SHADERS);
-        let why = if off {
-            "SMOE_MATRIX_UNITS=0"
+        let why = if !wanted {
+            "turned off (tuning: matrix_units false)"
         } else if !adapter.features().contains(need) || !f16_config {
             "the adapter offers no 16x16x16 f16 cooperative matrices"
         } else if (info.subgroup_min_size, info.subgroup_max_size) != (32, 32) {
@@ -205,13 +166,15 @@ impl fmt::Display for GpuInfo {
     }
 }
 
-/// (kernel, its `override`s, whether its layout is unfenced: see `pipeline_unfenced`).
-type PipelineKey = (&'static str, Vec<(&'static str, u64)>, bool);
+/// (kernel, its `override`s).
+type PipelineKey = (&'static str, Vec<(&'static str, u64)>);
 
 pub struct GpuContext {
     pub device: wgpu::Device,
     pub queue: wgpu::Queue,
     info: GpuInfo,
+    /// What the context was opened with.
+    tuning: GpuTuning,
     modules: Mutex<HashMap<&'static str, wgpu::ShaderModule>>,
     /// Kernels parsed for `pipeline_spirv`, once each (as `modules` for wgpu's path).
     parsed: Mutex<HashMap<&'static str, Arc<super::spirv::Parsed>>>,
@@ -221,24 +184,25 @@ pub struct GpuContext {
 }
 
 impl GpuContext {
-    /// Opens the best adapter: a discrete / high-performance one when there is one.
-    /// Shader bounds checks are on in debug builds (tests) and off in release builds, where
-    /// they cost 2× on GEMV (DESIGN.md, H200 measurements).
+    /// Opens the best adapter (a discrete / high-performance one when there is one) with the
+    /// default `GpuTuning`.
     pub fn new() -> Result<Self, GpuError> {
-        Self::with_bounds_checks(cfg!(debug_assertions))
+        Self::with_tuning(GpuTuning::default())
     }
 
-    pub fn with_bounds_checks(bounds_checks: bool) -> Result<Self, GpuError> {
-        pollster::block_on(Self::open(bounds_checks, true))
+    /// Opens the best adapter with `tuning`.
+    pub fn with_tuning(tuning: GpuTuning) -> Result<Self, GpuError> {
+        pollster::block_on(Self::open(tuning))
     }
 
-    /// A context that never fuses tails (`fused_tails` false whatever the backend): what
-    /// Metal and other backends run, for tests of that path on Vulkan.
-    pub fn without_fused_tails() -> Result<Self, GpuError> {
-        pollster::block_on(Self::open(cfg!(debug_assertions), false))
-    }
-
-    async fn open(bounds_checks: bool, tails: bool) -> Result<Self, GpuError> {
+    async fn open(tuning: GpuTuning) -> Result<Self, GpuError> {
+        if let Some(d) = tuning.kernel_dir.as_ref().filter(|d| !d.is_dir()) {
+            // A mistyped path would otherwise silently measure the compiled-in kernels.
+            tracing::warn!(
+                "kernel folder {} is not a folder: no kernel edits",
+                d.display()
+            );
+        }
         let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
         desc.backends = wgpu::Backends::from_env().unwrap_or(wgpu::Backends::PRIMARY);
         // wgpu checks every indirect dispatch's counts with an extra dispatch and two barriers
@@ -267,7 +231,7 @@ impl GpuContext {
             | wgpu::Features::TIMESTAMP_QUERY
             | wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES
             | wgpu::Features::MAPPABLE_PRIMARY_BUFFERS;
-        let matrix_units = MatrixUnits::probe(&adapter);
+        let matrix_units = MatrixUnits::probe(&adapter, tuning.matrix_units);
         let mut features = have & wanted;
         if matrix_units == MatrixUnits::Used {
             features |= wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX
@@ -292,8 +256,8 @@ impl GpuContext {
             })
             .await
             .map_err(|e| GpuError::Device(e.to_string()))?;
-        let fused_tails = tails && fused_tails_probe(&ainfo);
-        let exec_barriers = match (&matrix_units, exec_barriers_setting()) {
+        let fused_tails = fused_tails_probe(&ainfo, tuning.fused_tails);
+        let exec_barriers = match (&matrix_units, tuning.exec_barriers) {
             (MatrixUnits::Unused(_), _) => ExecBarriers::Off,
             (MatrixUnits::Used, Some(set)) => set,
             (MatrixUnits::Used, None) if nvidia_driver(&ainfo) => ExecBarriers::AllKernels,
@@ -302,16 +266,18 @@ impl GpuContext {
         let info = GpuInfo {
             fused_tails,
             exec_barriers,
+            hold_clocks: tuning.hold_clocks,
             adapter: ainfo,
             features,
             limits,
-            bounds_checks,
+            bounds_checks: tuning.bounds_checks,
             matrix_units,
         };
         Ok(GpuContext {
             device,
             queue,
             info,
+            tuning,
             modules: Mutex::default(),
             parsed: Mutex::default(),
             pipelines: Mutex::default(),
@@ -321,6 +287,18 @@ impl GpuContext {
 
     pub fn info(&self) -> &GpuInfo {
         &self.info
+    }
+
+    /// The settings the context was opened with (`GpuInfo` says what they came to on this
+    /// adapter).
+    pub fn tuning(&self) -> &GpuTuning {
+        &self.tuning
+    }
+
+    /// The full WGSL of `kernel` as this context builds it (with `GpuTuning::kernel_dir`'s
+    /// edits, if any).
+    pub fn kernel_source(&self, kernel: &str) -> Option<String> {
+        kernels::source_with_edits(kernel, self.tuning.kernel_dir.as_deref())
     }
 
     pub fn limits(&self) -> &wgpu::Limits {
@@ -367,7 +345,7 @@ impl GpuContext {
         if self.info.exec_barriers == ExecBarriers::AllKernels {
             return self.pipeline_spirv(kernel, constants);
         }
-        self.cached_pipeline(kernel, constants, false, || {
+        self.cached_pipeline(kernel, constants, || {
             let module = self.module(kernel)?;
             Ok(self
                 .device
@@ -395,44 +373,7 @@ impl GpuContext {
         kernel: &'static str,
         constants: &[(&'static str, f64)],
     ) -> Result<wgpu::ComputePipeline, GpuError> {
-        self.spirv_pipeline(kernel, constants, false)
-    }
-
-    /// Like `pipeline_spirv`, but with every storage binding declared read-only in the layout,
-    /// whatever the kernel does with it. wgpu puts a barrier between two dispatches of a pass
-    /// only where a buffer's use changes or is writable, so consecutive dispatches of such
-    /// pipelines get none and may run at the same time: ordering and visibility between them
-    /// are the kernels' own business (counters, atomic loads), as in `bench::persistent`'s
-    /// overlapped chain. (In Vulkan read-only and writable storage bindings are the same
-    /// descriptor type; the difference is wgpu's tracking only.) A dispatch of an ordinary
-    /// pipeline that binds a buffer these wrote still gets its barrier: the buffer's use changes.
-    /// Needs passthrough shaders, which the device has where the matrix units are used.
-    pub(crate) fn pipeline_unfenced(
-        &self,
-        kernel: &'static str,
-        constants: &[(&'static str, f64)],
-    ) -> Result<wgpu::ComputePipeline, GpuError> {
-        if !self
-            .device
-            .features()
-            .contains(wgpu::Features::PASSTHROUGH_SHADERS)
-        {
-            return Err(GpuError::Kernel {
-                kernel: kernel.into(),
-                msg: "unfenced pipelines need passthrough shaders (Vulkan, matrix units used)"
-                    .into(),
-            });
-        }
-        self.spirv_pipeline(kernel, constants, true)
-    }
-
-    fn spirv_pipeline(
-        &self,
-        kernel: &'static str,
-        constants: &[(&'static str, f64)],
-        unfenced: bool,
-    ) -> Result<wgpu::ComputePipeline, GpuError> {
-        self.cached_pipeline(kernel, constants, unfenced, || {
+        self.cached_pipeline(kernel, constants, || {
             let fail = |msg: String| GpuError::Kernel {
                 kernel: kernel.into(),
                 msg,
@@ -456,7 +397,7 @@ impl GpuContext {
                         ty: match b.uniform {
                             true => wgpu::BufferBindingType::Uniform,
                             false => wgpu::BufferBindingType::Storage {
-                                read_only: b.read_only || unfenced,
+                                read_only: b.read_only,
                             },
                         },
                         has_dynamic_offset: false,
@@ -517,13 +458,11 @@ impl GpuContext {
         &self,
         kernel: &'static str,
         constants: &[(&'static str, f64)],
-        unfenced: bool,
         build: impl FnOnce() -> Result<wgpu::ComputePipeline, GpuError>,
     ) -> Result<wgpu::ComputePipeline, GpuError> {
         let key: PipelineKey = (
             kernel,
             constants.iter().map(|(k, v)| (*k, v.to_bits())).collect(),
-            unfenced,
         );
         if let Some(p) = self.pipelines.lock().unwrap().get(&key) {
             return Ok(p.clone());
@@ -550,7 +489,7 @@ impl GpuContext {
         if let Some(p) = self.parsed.lock().unwrap().get(kernel) {
             return Ok(p.clone());
         }
-        let src = kernels::kernel_source(kernel).ok_or("no such kernel")?;
+        let src = self.kernel_source(kernel).ok_or("no such kernel")?;
         let parsed = Arc::new(super::spirv::Parsed::new(&src)?);
         self.parsed.lock().unwrap().insert(kernel, parsed.clone());
         Ok(parsed)
@@ -560,7 +499,7 @@ impl GpuContext {
         if let Some(m) = self.modules.lock().unwrap().get(kernel) {
             return Ok(m.clone());
         }
-        let src = kernels::kernel_source(kernel).ok_or_else(|| GpuError::Kernel {
+        let src = self.kernel_source(kernel).ok_or_else(|| GpuError::Kernel {
             kernel: kernel.into(),
             msg: "no such kernel".into(),
         })?;

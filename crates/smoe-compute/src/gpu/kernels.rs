@@ -4,12 +4,11 @@
 //! the router's softmax top-k; `rope.wgsl`: RoPE's rotation; `code_pair_f16.wgsl` /
 //! `code_pair_f32.wgsl`: the matvec's q4 code pairs, with and without f16 arithmetic;
 //! `attn_merge.wgsl`: decode attention's merge of its splits; `attn_prefill_common.wgsl`: the
-//! prefill attention's parameters and its tiles' key units; `grid_wait.wgsl`: the wait of a
-//! barrier across a dispatch's workgroups, for two of the benchmarks' kernels) are prepended
-//! to the kernels that use them, since WGSL has no includes.
+//! prefill attention's parameters and its tiles' key units) are prepended to the kernels that
+//! use them, since WGSL has no includes.
 
 use std::borrow::Cow;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// A fragment: (file name without `.wgsl`, source).
 type Fragment = (&'static str, &'static str);
@@ -30,18 +29,10 @@ const PREFILL_COMMON: Fragment = (
     "attn_prefill_common",
     include_str!("../../kernels/attn_prefill_common.wgsl"),
 );
-const GRID_WAIT: Fragment = ("grid_wait", include_str!("../../kernels/grid_wait.wgsl"));
 const CODE_PAIR_F32: Fragment = (
     "code_pair_f32",
     include_str!("../../kernels/code_pair_f32.wgsl"),
 );
-
-/// Where a developer's edited kernels are read from instead of the compiled-in ones, to try a
-/// kernel variant without rebuilding (`bench kernels` on a device without a toolchain): every
-/// file `NAME.wgsl` in that folder replaces the kernel or fragment of that name (a kernel file
-/// whose first line is `// smoe: standalone` gets no fragments prepended). Unset (the default),
-/// the binary uses only its own sources.
-pub const KERNEL_DIR_ENV: &str = "SMOE_KERNEL_DIR";
 
 /// `embedded`, or the file `name.wgsl` in `dir` where there is one.
 fn text(dir: Option<&Path>, name: &str, embedded: &'static str) -> Cow<'static, str> {
@@ -77,16 +68,6 @@ const KERNELS: &[(&str, &str, &[Fragment])] = &[
         "matmul_coop",
         include_str!("../../kernels/matmul_coop.wgsl"),
         &[GEMM_COMMON],
-    ),
-    (
-        "grid_sync",
-        include_str!("../../kernels/grid_sync.wgsl"),
-        &[GRID_WAIT],
-    ),
-    (
-        "persist_matvec",
-        include_str!("../../kernels/persist_matvec.wgsl"),
-        &[GRID_WAIT],
     ),
     (
         "expert_sort",
@@ -145,21 +126,14 @@ pub fn kernel_names() -> Vec<&'static str> {
     KERNELS.iter().map(|k| k.0).collect()
 }
 
-/// The full WGSL of `name`, as handed to the device (with `SMOE_KERNEL_DIR`'s edits, if set).
+/// The full compiled-in WGSL of `name`, as handed to the device (`GpuContext::kernel_source`
+/// has it with `GpuTuning::kernel_dir`'s edits).
 pub fn kernel_source(name: &str) -> Option<String> {
-    let dir = std::env::var_os(KERNEL_DIR_ENV).map(PathBuf::from);
-    if let Some(d) = dir.as_ref().filter(|d| !d.is_dir()) {
-        // A mistyped path would otherwise silently measure the compiled-in kernels.
-        tracing::warn!(
-            "{KERNEL_DIR_ENV}={} is not a folder: no kernel edits",
-            d.display()
-        );
-    }
-    source_with_edits(name, dir.as_deref())
+    source_with_edits(name, None)
 }
 
-/// `kernel_source` with the edited kernels of `dir`.
-fn source_with_edits(name: &str, dir: Option<&Path>) -> Option<String> {
+/// `kernel_source` with the edited kernels of `dir` (`GpuTuning::kernel_dir`).
+pub(crate) fn source_with_edits(name: &str, dir: Option<&Path>) -> Option<String> {
     let (name, src, fragments) = KERNELS.iter().find(|k| k.0 == name)?;
     let src = text(dir, name, src);
     // An edited kernel that starts with this line carries its fragments itself.

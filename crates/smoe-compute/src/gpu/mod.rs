@@ -30,12 +30,13 @@ mod router;
 mod slot_map;
 mod spirv;
 mod timestamps;
+mod tuning;
 
 pub use attention::{AttnDesc, DecodeAttention, FusedRope, QkNormRope, QkNormRopeDesc};
 pub use attn_prefill::{PrefillAttention, PrefillAttnTuning, PREFILL_MAX_HEAD_DIM};
 pub use buffers::{BufRef, StepParams};
 pub use clocks::{nvidia_memory, ClockHold};
-pub use context::{ExecBarriers, GpuContext, GpuError, GpuInfo, MatrixUnits};
+pub use context::{GpuContext, GpuError, GpuInfo, MatrixUnits};
 pub use embed::EmbedGather;
 pub use expert_sort::{ExpertSort, SORT_MAX_EXPERTS, SORT_MAX_SLOTS};
 pub use kernels::{kernel_names, kernel_source};
@@ -51,6 +52,7 @@ pub use router::Router;
 pub use slot_map::{SlotGuess, SlotMap, SlotMapBufs, NO_SLOT};
 pub use spirv::{kernel_spirv, KernelBinding};
 pub use timestamps::Timestamps;
+pub use tuning::{ExecBarriers, GpuTuning};
 /// The wgpu this backend is built on, for callers that create buffers and encoders.
 pub use wgpu;
 

@@ -24,18 +24,6 @@ impl Dispatch {
         groups: [usize; 3],
     ) -> Result<Self, GpuError> {
         let pipeline = ctx.pipeline(kernel, constants)?;
-        Self::with_pipeline(ctx, kernel, pipeline, params, bufs, groups)
-    }
-
-    /// As `new`, with a pipeline of the caller's (e.g. `GpuContext::pipeline_unfenced`'s).
-    pub(crate) fn with_pipeline<P: bytemuck::Pod>(
-        ctx: &GpuContext,
-        kernel: &'static str,
-        pipeline: wgpu::ComputePipeline,
-        params: &P,
-        bufs: &[Binding],
-        groups: [usize; 3],
-    ) -> Result<Self, GpuError> {
         let max = ctx.limits().max_compute_workgroups_per_dimension as usize;
         if groups.iter().any(|g| *g > max || *g == 0) {
             return Err(GpuError::Shape(format!(

@@ -152,19 +152,22 @@ impl Parsed {
     }
 }
 
-/// Kernel `name` (with `SMOE_KERNEL_DIR`'s edits) as the SPIR-V its pipeline runs on NVIDIA's
+/// Kernel `name` (with `tuning.kernel_dir`'s edits) as the SPIR-V its pipeline runs on NVIDIA's
 /// driver — bounds checks off, as release builds hand it over; the memory model switched back
-/// where naga declared the Vulkan one; barriers as `SMOE_EXEC_BARRIERS` leaves them (see
-/// `ExecBarriers`) — and its group-0 bindings. For tools that build the pipeline outside wgpu
-/// (`examples/pipeline_stats.rs` asks the driver for its register counts).
+/// where naga declared the Vulkan one; barriers as `tuning.exec_barriers` leaves them (see
+/// `ExecBarriers`; `None`: NVIDIA's default, every kernel) — and its group-0 bindings. For
+/// tools that build the pipeline outside wgpu (`examples/pipeline_stats.rs` asks the driver
+/// for its register counts).
 pub fn kernel_spirv(
     name: &str,
     constants: &[(&str, f64)],
+    tuning: &super::GpuTuning,
 ) -> Result<(Vec<u32>, Vec<KernelBinding>), String> {
-    use super::context::{exec_barriers_setting, ExecBarriers};
-    let src = super::kernel_source(name).ok_or_else(|| format!("no kernel named {name}"))?;
+    use super::ExecBarriers;
+    let src = super::kernels::source_with_edits(name, tuning.kernel_dir.as_deref())
+        .ok_or_else(|| format!("no kernel named {name}"))?;
     let parsed = Parsed::new(&src)?;
-    let exec = exec_barriers_setting()
+    let exec = (tuning.exec_barriers)
         .unwrap_or(ExecBarriers::AllKernels)
         .covers(parsed.cooperative);
     Ok((parsed.compile(constants, false, exec)?, parsed.bindings))
@@ -594,7 +597,8 @@ fn main(@builtin(global_invocation_id) g: vec3<u32>) {
     /// the GLSL450 memory model while a kernel naga gives GLSL450 anyway is left as it is.
     #[test]
     fn kernel_spirv_lists_bindings_and_fixes_the_memory_model() {
-        let (words, b) = kernel_spirv("rms_norm", &[]).unwrap();
+        let t = crate::gpu::GpuTuning::default();
+        let (words, b) = kernel_spirv("rms_norm", &[], &t).unwrap();
         assert!(b.len() >= 3, "{b:?}");
         assert!(b.windows(2).all(|w| w[0].binding < w[1].binding), "{b:?}");
         assert!(b[0].uniform && b[0].read_only, "{b:?}");
@@ -615,10 +619,10 @@ fn main(@builtin(global_invocation_id) g: vec3<u32>) {
             ("GATED", 1.0),
             ("GROUPED", 1.0),
         ];
-        let (coop, _) = kernel_spirv("matmul_coop", &consts).unwrap();
+        let (coop, _) = kernel_spirv("matmul_coop", &consts, &t).unwrap();
         assert_eq!(model(&coop), vec![0, MEMORY_MODEL_GLSL450]);
-        assert!(kernel_spirv("no_such_kernel", &[]).is_err());
-        assert!(kernel_spirv("rms_norm", &[("NO_SUCH_CONSTANT", 1.0)]).is_err());
+        assert!(kernel_spirv("no_such_kernel", &[], &t).is_err());
+        assert!(kernel_spirv("rms_norm", &[("NO_SUCH_CONSTANT", 1.0)], &t).is_err());
     }
 
     #[test]

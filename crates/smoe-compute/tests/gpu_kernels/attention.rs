@@ -4,8 +4,8 @@
 use super::{assert_close, gpu, nan_buffer, rand_vec};
 use smoe_compute::cpu::ops::{self, AttnShape};
 use smoe_compute::gpu::{
-    AttnDesc, BufRef, DecodeAttention, FusedRope, GpuContext, GpuError, PrefillAttention,
-    PrefillAttnTuning, QkNormRope, QkNormRopeDesc,
+    AttnDesc, BufRef, DecodeAttention, FusedRope, GpuContext, GpuError, GpuTuning,
+    PrefillAttention, PrefillAttnTuning, QkNormRope, QkNormRopeDesc,
 };
 
 /// Inverse frequencies as the engine's RopeTable computes them (no YaRN).
@@ -129,7 +129,11 @@ fn qk_norm_rope_append_matches_cpu() {
 /// otherwise, and both must match the CPU.
 fn with_and_without_fused_tails(cases: fn(&GpuContext)) {
     let Some(shared) = gpu() else { return };
-    let plain = GpuContext::without_fused_tails().unwrap();
+    let tuning = GpuTuning {
+        fused_tails: false,
+        ..GpuTuning::default()
+    };
+    let plain = GpuContext::with_tuning(tuning).unwrap();
     for ctx in [shared, &plain] {
         cases(ctx);
     }

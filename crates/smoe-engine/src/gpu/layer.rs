@@ -121,6 +121,8 @@ struct Lowering<'a> {
     /// n ≥ GEMM_MIN.
     gemm: bool,
     norm_topk: bool,
+    /// `Tuning::fused_router`.
+    fused_router: bool,
 }
 
 /// The normed input of a block: `hn` written by a separate RMSNorm, or x normed inside each
@@ -293,14 +295,14 @@ impl Lowering<'_> {
 
     /// Whether one token's o projection runs the next MoE block's router in its last
     /// workgroups (`Fuse::next_route`): where tails fuse and the router fits (`NextRoute::fits`:
-    /// bf16, every converter's), unless `SMOE_FUSED_ROUTER=0` (the router's own dispatch, for
-    /// comparisons). H100, q4 30B: see docs/performance.md ("The router inside the o projection").
+    /// bf16, every converter's), unless `Tuning::fused_router` is off (the router's own dispatch,
+    /// for comparisons). H100, q4 30B: see docs/performance.md ("The router inside the o projection").
     fn router_in_o(&self, router: &Packed, o: WeightRef) -> bool {
         self.n == 1
             && !self.gemm
             && self.ctx.fused_tails()
             && NextRoute::fits(&router.w(0), o.rows)
-            && std::env::var("SMOE_FUSED_ROUTER").as_deref() != Ok("0")
+            && self.fused_router
     }
 
     /// x += W·y for one token, with the next MoE block's router (its RMSNorm with `norm`, the
@@ -496,7 +498,7 @@ impl LayerOps {
     }
 
     /// `next_routers`: streaming, the routers of the next MoE layers (for `lookahead`; at most
-    /// `AHEAD_MAX`).
+    /// `AHEAD_MAX`). `fused_router`: `Tuning::fused_router`.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         ctx: &GpuContext,
@@ -505,6 +507,7 @@ impl LayerOps {
         eps: f32,
         n: usize,
         next_routers: &[&Packed],
+        fused_router: bool,
     ) -> Result<Self, EngineError> {
         let Mixer::Attention(at) = &layer.mixer;
         let b = Lowering {
@@ -516,6 +519,7 @@ impl LayerOps {
                 Ffn::Moe(m) => m.routing.renormalize,
                 Ffn::Dense(_) => false,
             },
+            fused_router,
         };
         let d = a.d;
         let mut pre = vec![];

@@ -32,7 +32,7 @@ pub(crate) use slots::SlotWriter;
 pub(crate) use weights::{FfnW, Packed, SlotPlan, Weights};
 
 use crate::error::EngineError;
-use smoe_compute::gpu::GpuContext;
+use smoe_compute::gpu::{GpuContext, GpuTuning};
 use std::sync::{Arc, OnceLock};
 
 /// Largest batch of tokens one submission processes; longer prompt chunks are split. Large,
@@ -55,13 +55,35 @@ pub(crate) fn piece_len(remaining: usize) -> usize {
     1 << (usize::BITS - 1 - n.leading_zeros())
 }
 
-/// The process's GPU device, opened once: opening one costs ~0.1–1 s, and every model of a
-/// process (tests load dozens) can share it.
+/// The settings the process's GPU device opens with (`configure`, else the defaults), fixed
+/// by the first of `configure` and `context`.
+static TUNING: OnceLock<GpuTuning> = OnceLock::new();
+
+/// Sets the `GpuTuning` the process's GPU device (`context`) opens with. Call it before
+/// anything uses the GPU: the device is opened once per process. Fails where the device was
+/// already opened, or configured, with other settings; the same settings again are fine.
+pub fn configure(tuning: GpuTuning) -> Result<(), EngineError> {
+    match TUNING.get_or_init(|| tuning.clone()) {
+        set if *set == tuning => Ok(()),
+        set => Err(EngineError::Invalid(format!(
+            "the GPU device is already set up with other settings ({set:?}); its settings \
+             are chosen once per process, before its first use"
+        ))),
+    }
+}
+
+/// The process's GPU device, opened once with `configure`'s settings: opening one costs
+/// ~0.1–1 s, and every model of a process (tests load dozens) can share it.
 pub fn context() -> Result<Arc<GpuContext>, EngineError> {
     static CTX: OnceLock<Result<Arc<GpuContext>, String>> = OnceLock::new();
-    CTX.get_or_init(|| GpuContext::new().map(Arc::new).map_err(|e| e.to_string()))
-        .clone()
-        .map_err(EngineError::Backend)
+    CTX.get_or_init(|| {
+        let tuning = TUNING.get_or_init(GpuTuning::default).clone();
+        GpuContext::with_tuning(tuning)
+            .map(Arc::new)
+            .map_err(|e| e.to_string())
+    })
+    .clone()
+    .map_err(EngineError::Backend)
 }
 
 /// Whether `--backend auto` should take the GPU: a device, and not a software rasterizer

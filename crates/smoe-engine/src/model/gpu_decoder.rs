@@ -263,7 +263,7 @@ impl GpuDecoder {
             .info()
             .features
             .contains(wgpu::Features::MAPPABLE_PRIMARY_BUFFERS);
-        let lands = unified && mappable && store.mapped_slots;
+        let lands = unified && mappable && store.tuning.mapped_slots;
         let budget = store.budget.bytes(vault);
         // The VRAM slots' budget: `--vram-cache`, else the host's (`--expert-cache`).
         // (`load` streams a resident host where a VRAM budget is given.)
@@ -316,13 +316,13 @@ impl GpuDecoder {
         // uploads: the context's VRAM (527 MiB on the H200) is then taken before wgpu allocates
         // the weights and slots, so a card it leaves too small fails the load, not a request.
         if let Some(st) = &mut streaming {
-            st.clocks = match ClockHold::acquire(&ctx.info().adapter) {
+            st.clocks = match ClockHold::acquire(ctx.info()) {
                 Ok(hold) => {
                     tracing::info!("GPU backend: clocks held up by a CUDA context while streaming");
                     Some(hold)
                 }
                 // Worth a line only where it was tried (an NVIDIA GPU).
-                Err(why) if ClockHold::applies(&ctx.info().adapter).is_ok() => {
+                Err(why) if ClockHold::applies(ctx.info()).is_ok() => {
                     tracing::info!("GPU backend: clocks left to the driver ({why}); the decode may run at its idle clock");
                     None
                 }
@@ -338,7 +338,7 @@ impl GpuDecoder {
             (&spec, &rope),
             streaming.as_ref().map(|s| SlotPlan {
                 slots: s.slots,
-                mapped: store.mapped_slots,
+                mapped: store.tuning.mapped_slots,
                 vram_limit: store.vram_limit,
             }),
         )?;
@@ -365,21 +365,13 @@ impl GpuDecoder {
         if let Some(st) = &mut streaming {
             // Speculative passes read guesses into host buffers: on unified memory, where misses
             // land in their slots, that would add a copy, so there they are off by default.
-            let depth = match std::env::var("SMOE_GPU_SPECULATE") {
-                Ok(v) => v.parse().map_err(|_| {
-                    EngineError::Invalid(format!(
-                        "SMOE_GPU_SPECULATE={v}: expected a number of MoE layers (0: off)"
-                    ))
-                })?,
-                Err(_) if st.lands => 0,
-                Err(_) => through::SPEC_DEPTH,
+            let depth = match store.tuning.speculate {
+                Some(d) => d,
+                None if st.lands => 0,
+                None => through::SPEC_DEPTH,
             };
-            let trace = match (&store.route_trace, std::env::var("SMOE_ROUTE_TRACE")) {
-                (Some(t), _) => Some(t.clone()),
-                (None, Ok(v)) => Some(RouteTrace::parse(&v)?),
-                (None, Err(_)) => None,
-            };
-            let oracle = trace.as_ref().map(oracle::Oracle::open).transpose()?;
+            let trace = store.tuning.route_trace.as_ref();
+            let oracle = trace.map(oracle::Oracle::open).transpose()?;
             // Replaying a trace, the oracle's guesses replace the decoder's own.
             let depth = match &oracle {
                 Some(o) if o.replays() => 0,
@@ -388,7 +380,14 @@ impl GpuDecoder {
             st.lookahead = store.lookahead()?;
             let (piece, lookahead) = (st.max_piece, st.lookahead);
             st.through = Some(Through::new(
-                ctx, &cfg, &acts, piece, depth, lookahead, oracle,
+                ctx,
+                &cfg,
+                &acts,
+                piece,
+                depth,
+                lookahead,
+                oracle,
+                &store.tuning,
             )?);
         }
         let chain = match weights.embedding(cfg.tie_word_embeddings) {
@@ -421,8 +420,11 @@ impl GpuDecoder {
                 .collect()
         };
         for n in gpu::batch_sizes() {
+            let fused_router = store.tuning.fused_router;
             let layers = (spec.layers.iter().zip(&weights.layers).enumerate())
-                .map(|(l, lw)| LayerOps::new(ctx, lw, &acts, eps, n, &next_routers(l)))
+                .map(|(l, lw)| {
+                    LayerOps::new(ctx, lw, &acts, eps, n, &next_routers(l), fused_router)
+                })
                 .collect::<Result<Vec<_>, _>>()?;
             batches.push((layers, Head::new(ctx, &weights, &acts, eps, n)?));
         }
@@ -843,7 +845,7 @@ impl GpuDecoder {
     }
 
     /// Streaming: whether decode batches run through the MoE layers whose experts sit in VRAM
-    /// (`through`, the default; `SMOE_GPU_SLOT_TABLE=0` starts with it off) or stop at every
+    /// (`through`, the default; `Tuning::run_through` false starts with it off) or stop at every
     /// router as prompt batches do. For tests and measurements.
     pub fn set_run_through(&self, on: bool) {
         if let Some(th) = self.streaming.as_ref().and_then(|s| s.through.as_ref()) {
@@ -853,7 +855,7 @@ impl GpuDecoder {
 
     /// Streaming: whether decode copies into later MoE layers' slots, ahead of them, the
     /// experts they are expected to choose whose blobs are in host memory (`through`, the default;
-    /// `SMOE_GPU_FILL_AHEAD=0` starts with it off). For tests and measurements.
+    /// `Tuning::fill_ahead` false starts with it off). For tests and measurements.
     pub fn set_fill_ahead(&self, on: bool) {
         if let Some(th) = self.streaming.as_ref().and_then(|s| s.through.as_ref()) {
             th.fill_ahead.store(on, Ordering::Relaxed);
@@ -862,7 +864,7 @@ impl GpuDecoder {
 
     /// Streaming: how many MoE layers after a halted decode layer a speculative pass looks
     /// ahead while that layer's misses are read (`through`; 0 turns it off; the default is 2 on
-    /// a discrete GPU, 0 on unified memory; `SMOE_GPU_SPECULATE` sets it at load). For tests
+    /// a discrete GPU, 0 on unified memory; `Tuning::speculate` sets it at load). For tests
     /// and measurements.
     pub fn set_speculate(&self, depth: usize) {
         if let Some(th) = self.streaming.as_ref().and_then(|s| s.through.as_ref()) {

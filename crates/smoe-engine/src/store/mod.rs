@@ -148,32 +148,21 @@ pub struct StoreOptions {
     pub read_piece: usize,
     /// Test hook to inject read failures.
     pub fault: Option<FaultHook>,
-    /// GPU streaming: the host writes blobs straight into the VRAM expert slots through a
-    /// mapping where the device allows it (`gpu::slots`); false: always through wgpu's staging
-    /// memory. Default: true, unless the environment sets `SMOE_MAPPED_SLOTS=0`.
-    pub mapped_slots: bool,
-    /// GPU streaming, a measurement: record each decode MoE layer's choice, or replay such a
-    /// trace as perfect guesses (`gpu_decoder::RouteTrace`). None: as `SMOE_ROUTE_TRACE` says.
-    pub route_trace: Option<crate::model::gpu_decoder::RouteTrace>,
-    /// Streaming: MoE layers each MoE layer's lookahead predicts (1 to `LOOKAHEAD_MAX`).
-    /// None: as `SMOE_LOOKAHEAD_DEPTH` says, else 1.
-    pub lookahead_depth: Option<usize>,
-    /// Streaming: experts per token a lookahead guess keeps (the next MoE layer's and those
-    /// beyond), its best-ranked (at least 1): a guess no slot or cache holds starts a read, and
-    /// such guesses are wrong mostly in their low ranks. None: as `SMOE_LOOKAHEAD_TOP` says,
-    /// else all of them.
-    pub lookahead_top: Option<usize>,
+    /// How the decoder fuses and streams (`Tuning`; default: the fastest measured choices).
+    pub tuning: crate::Tuning,
 }
 
 /// The most MoE layers a streaming lookahead predicts.
 pub const LOOKAHEAD_MAX: usize = 4;
 
-/// How far a streaming decoder's lookahead guesses (`StoreOptions::lookahead`).
+/// How far a streaming decoder's lookahead guesses (`Tuning::lookahead`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Lookahead {
     /// MoE layers each MoE layer predicts: the next `depth` (1 to `LOOKAHEAD_MAX`).
     pub depth: usize,
-    /// Experts per token kept of every guess (the best-ranked).
+    /// Experts per token kept of every guess (the next MoE layer's and those beyond), its
+    /// best-ranked (at least 1): a guess no slot or cache holds starts a read, and such guesses
+    /// are wrong mostly in their low ranks.
     pub top: usize,
 }
 
@@ -195,46 +184,22 @@ impl Lookahead {
 }
 
 impl StoreOptions {
-    /// The lookahead these options (else `SMOE_LOOKAHEAD_DEPTH` / `SMOE_LOOKAHEAD_TOP`) ask
-    /// for; an error names a value out of range.
+    /// The lookahead these options ask for (`Tuning::lookahead`); an error names a value out
+    /// of range.
     pub fn lookahead(&self) -> Result<Lookahead, EngineError> {
-        // (value, how to name it in an error)
-        let pick = |set: Option<usize>, var: &str, what: &str, ok: &dyn Fn(usize) -> bool| {
-            let v = match (set, std::env::var(var)) {
-                (Some(v), _) => Some((v, format!("{what} {v}"))),
-                (None, Ok(text)) => {
-                    Some((text.trim().parse().unwrap_or(0), format!("{var}={text}")))
-                }
-                (None, Err(_)) => None,
-            };
-            match v {
-                Some((v, _)) if ok(v) => Ok(Some(v)),
-                Some((_, named)) => Err(named),
-                None => Ok(None),
-            }
-        };
-        let bad =
-            |named: String, want: String| EngineError::Invalid(format!("{named}: expected {want}"));
-        let in_range = |d: usize| (1..=LOOKAHEAD_MAX).contains(&d);
-        let depth = pick(
-            self.lookahead_depth,
-            "SMOE_LOOKAHEAD_DEPTH",
-            "lookahead depth",
-            &in_range,
-        )
-        .map_err(|n| bad(n, format!("1 to {LOOKAHEAD_MAX} MoE layers")))?;
-        let top = pick(
-            self.lookahead_top,
-            "SMOE_LOOKAHEAD_TOP",
-            "lookahead top",
-            &|t| t > 0,
-        )
-        .map_err(|n| bad(n, "1 or more experts".into()))?;
-        let d = Lookahead::default();
-        Ok(Lookahead {
-            depth: depth.unwrap_or(d.depth),
-            top: top.unwrap_or(d.top),
-        })
+        let l = self.tuning.lookahead;
+        if !(1..=LOOKAHEAD_MAX).contains(&l.depth) {
+            return Err(EngineError::Invalid(format!(
+                "lookahead depth {}: expected 1 to {LOOKAHEAD_MAX} MoE layers",
+                l.depth
+            )));
+        }
+        if l.top == 0 {
+            return Err(EngineError::Invalid(
+                "lookahead top 0: expected 1 or more experts".into(),
+            ));
+        }
+        Ok(l)
     }
 }
 
@@ -248,10 +213,7 @@ impl std::fmt::Debug for StoreOptions {
             .field("read_threads", &self.read_threads)
             .field("read_piece", &self.read_piece)
             .field("fault", &self.fault.is_some())
-            .field("mapped_slots", &self.mapped_slots)
-            .field("route_trace", &self.route_trace)
-            .field("lookahead_depth", &self.lookahead_depth)
-            .field("lookahead_top", &self.lookahead_top)
+            .field("tuning", &self.tuning)
             .finish()
     }
 }
@@ -266,10 +228,7 @@ impl Default for StoreOptions {
             read_threads: 8,
             read_piece: DEFAULT_READ_PIECE,
             fault: None,
-            mapped_slots: !std::env::var("SMOE_MAPPED_SLOTS").is_ok_and(|v| v == "0"),
-            route_trace: None,
-            lookahead_depth: None,
-            lookahead_top: None,
+            tuning: crate::Tuning::default(),
         }
     }
 }
@@ -560,8 +519,10 @@ mod tests {
     #[test]
     fn lookahead_options_are_checked() {
         let with = |depth, top| StoreOptions {
-            lookahead_depth: Some(depth),
-            lookahead_top: Some(top),
+            tuning: crate::Tuning {
+                lookahead: Lookahead { depth, top },
+                ..Default::default()
+            },
             ..Default::default()
         };
         let want = Lookahead { depth: 3, top: 2 };

@@ -114,8 +114,13 @@ pub fn deep_lookahead_store(depth: usize, top: Option<usize>) -> StoreOptions {
         budget: CacheBudget::Bytes(0),
         profile: false,
         read_threads: 4,
-        lookahead_depth: Some(depth),
-        lookahead_top: top,
+        tuning: smoe_engine::Tuning {
+            lookahead: smoe_engine::store::Lookahead {
+                depth,
+                top: top.unwrap_or(usize::MAX),
+            },
+            ..Default::default()
+        },
         ..Default::default()
     }
 }

@@ -10,8 +10,6 @@
 //! attention kernel beside the prefill one in each of its tiles.
 
 mod attention;
-mod grid;
-mod persistent;
 mod prefill;
 mod timer;
 
@@ -23,11 +21,6 @@ use super::matvec::{
     Fuse, Grouped, MatVec, MatVecDesc, MatVecTuning, RouteTail, SumTail, WeightRef,
 };
 use super::ops::Dispatch;
-pub use grid::{grid_barrier, grid_sync_run, GridBarrier, GridBarrierRow, GridRun, SPIN_LIMIT};
-pub use persistent::{
-    chain_weights, persistent_chain, Chain, ChainMode, PersistentBench, PERSIST_COLS,
-    PERSIST_ROWS_PER_GROUP,
-};
 pub use prefill::pseudo_random_ids;
 use prefill::{bench_prefill, host_weights, Kernel};
 use smoe_vault::quant::DType;

@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
-/// What `SMOE_ROUTE_TRACE` asks for (or `StoreOptions::route_trace`).
+/// What `Tuning::route_trace` asks for (the `smoe` binary: `SMOE_ROUTE_TRACE`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RouteTrace {
     /// Write each decode MoE layer's choice to the file.

@@ -105,12 +105,12 @@ pub struct SlotStats {
     /// Of the experts decode layers used after a speculative pass had guessed them, the share
     /// it named (None: no pass guessed a layer that then ran).
     pub spec_recall: Option<f64>,
-    /// Reads started from a replayed routing trace (`SMOE_ROUTE_TRACE=replay:…`, a
+    /// Reads started from a replayed routing trace (`Tuning::route_trace` replaying, a
     /// measurement): the true experts of the next MoE layers, in place of guesses.
     pub oracle_reads: u64,
     /// Experts copied into the slots of later MoE layers expected to choose them (a replayed
     /// trace's, or the guesses'), from host memory (cached or read ahead), at halts and while
-    /// the GPU runs other layers, so those layers could run through (`SMOE_GPU_FILL_AHEAD=0`
+    /// the GPU runs other layers, so those layers could run through (`Tuning::fill_ahead`
     /// turns it off); and the seconds it took (at halts, part of `fill_s`). A layer that then
     /// runs with such a slot counts a miss for it (its blob was brought in for that use).
     pub placed_ahead: u64,

@@ -6,7 +6,7 @@
 //! fills the slots as at a router stop, and resumes the pass at that layer's experts. A layer
 //! whose lookahead guesses an expert of the next MoE layer that no slot holds halts too, so the
 //! host starts that read as at a stop (running through it measured 11 % slower at a 25 %
-//! budget: the next layer's misses went unguessed); with `SMOE_LOOKAHEAD_TOP=r`, only for one
+//! budget: the next layer's misses went unguessed); with a lookahead top of r, only for one
 //! of a token's r best-ranked guesses, the ones the host reads. A token whose experts and
 //! guesses all sit in VRAM costs one round trip per window instead of one per MoE layer.
 //!
@@ -62,7 +62,7 @@ const MAX_N: usize = GEMM_MIN / 2;
 const WINDOW_DISPATCHES: usize = 64 * WINDOW + 64;
 
 /// MoE layers after a halted one whose choice a speculative pass shows, by default (discrete
-/// GPUs; `SMOE_GPU_SPECULATE` or `GpuDecoder::set_speculate` set it, 0 turns it off).
+/// GPUs; `Tuning::speculate` or `GpuDecoder::set_speculate` set it, 0 turns it off).
 pub(super) const SPEC_DEPTH: usize = 2;
 
 /// What running through needs on the GPU, beside `Streaming`.
@@ -92,7 +92,7 @@ pub(super) struct Through {
     /// Off: every MoE layer stops for the host, as prompt batches do (`set_run_through`).
     pub(super) on: AtomicBool,
     /// Copy into later layers' slots the experts expected there whose blobs are in host
-    /// memory, at halts and while the GPU runs a window (`fill_ahead`; `SMOE_GPU_FILL_AHEAD=0`
+    /// memory, at halts and while the GPU runs a window (`fill_ahead`; `Tuning::fill_ahead`
     /// or `set_fill_ahead` turn it off).
     pub(super) fill_ahead: AtomicBool,
     /// A routing trace being recorded or replayed (`oracle`).
@@ -110,6 +110,7 @@ impl Through {
     /// each token's kept best-ranked guesses (`Lookahead::keep`); `oracle`: a routing trace to
     /// record or replay (replaying, no layer halts for a lookahead guess: the oracle's reads
     /// replace those guesses).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
         ctx: &GpuContext,
         cfg: &ModelConfig,
@@ -118,6 +119,7 @@ impl Through {
         spec_depth: usize,
         lookahead: Lookahead,
         oracle: Option<Oracle>,
+        tuning: &crate::Tuning,
     ) -> Result<Self, EngineError> {
         let guesses = !oracle.as_ref().is_some_and(Oracle::replays);
         let k = cfg.num_experts_per_tok.max(1);
@@ -202,8 +204,8 @@ impl Through {
             saved,
             spec_readback: Readback::new(ctx, chosen_bytes(cfg)),
             depth: AtomicUsize::new(spec_depth),
-            on: AtomicBool::new(std::env::var("SMOE_GPU_SLOT_TABLE").as_deref() != Ok("0")),
-            fill_ahead: AtomicBool::new(std::env::var("SMOE_GPU_FILL_AHEAD").as_deref() != Ok("0")),
+            on: AtomicBool::new(tuning.run_through),
+            fill_ahead: AtomicBool::new(tuning.fill_ahead),
             oracle,
         })
     }
