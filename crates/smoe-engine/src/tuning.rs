@@ -4,8 +4,8 @@
 //! variables to these fields (`smoe-cli/src/tuning.rs`). The GPU device's own settings are a
 //! `smoe_compute::gpu::GpuTuning`, given to `gpu::configure`.
 
-use crate::model::gpu_decoder::RouteTrace;
-use crate::store::Lookahead;
+use crate::error::EngineError;
+use std::path::PathBuf;
 
 /// The engine's tuning switches.
 #[derive(Clone, Debug, PartialEq)]
@@ -50,5 +50,79 @@ impl Default for Tuning {
             mapped_slots: true,
             route_trace: None,
         }
+    }
+}
+
+/// What `Tuning::route_trace` asks for (the `smoe` binary: `SMOE_ROUTE_TRACE`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RouteTrace {
+    /// Write each decode MoE layer's choice to the file.
+    Record(PathBuf),
+    /// Start reading the true experts of the next `depth` MoE layers from the file's trace.
+    Replay { path: PathBuf, depth: usize },
+}
+
+/// MoE layers the replay reads ahead unless told.
+pub const DEFAULT_TRACE_DEPTH: usize = 4;
+
+impl RouteTrace {
+    /// Parses `record:PATH` or `replay:PATH[:DEPTH]`.
+    pub fn parse(v: &str) -> Result<Self, EngineError> {
+        let bad = || {
+            EngineError::Invalid(format!(
+                "SMOE_ROUTE_TRACE={v}: expected record:PATH or replay:PATH[:DEPTH]"
+            ))
+        };
+        let (mode, rest) = v.split_once(':').ok_or_else(bad)?;
+        match mode {
+            "record" if !rest.is_empty() => Ok(RouteTrace::Record(rest.into())),
+            "replay" => {
+                let (path, depth) = match rest.rsplit_once(':') {
+                    Some((p, d)) if d.chars().all(|c| c.is_ascii_digit()) && !d.is_empty() => {
+                        (p, d.parse().map_err(|_| bad())?)
+                    }
+                    _ => (rest, DEFAULT_TRACE_DEPTH),
+                };
+                if path.is_empty() || depth == 0 {
+                    return Err(bad());
+                }
+                Ok(RouteTrace::Replay {
+                    path: path.into(),
+                    depth,
+                })
+            }
+            _ => Err(bad()),
+        }
+    }
+}
+
+/// The most MoE layers a streaming lookahead predicts.
+pub const LOOKAHEAD_MAX: usize = 4;
+
+/// How far a streaming decoder's lookahead guesses (`Tuning::lookahead`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Lookahead {
+    /// MoE layers each MoE layer predicts: the next `depth` (1 to `LOOKAHEAD_MAX`).
+    pub depth: usize,
+    /// Experts per token kept of every guess (the next MoE layer's and those beyond), its
+    /// best-ranked (at least 1): a guess no slot or cache holds starts a read, and such guesses
+    /// are wrong mostly in their low ranks.
+    pub top: usize,
+}
+
+impl Default for Lookahead {
+    /// One MoE layer ahead, every guessed expert kept.
+    fn default() -> Self {
+        Lookahead {
+            depth: 1,
+            top: usize::MAX,
+        }
+    }
+}
+
+impl Lookahead {
+    /// Experts per token kept of a guess, of the `k` a token routes to.
+    pub fn keep(&self, k: usize) -> usize {
+        self.top.min(k)
     }
 }

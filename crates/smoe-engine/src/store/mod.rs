@@ -152,36 +152,7 @@ pub struct StoreOptions {
     pub tuning: crate::Tuning,
 }
 
-/// The most MoE layers a streaming lookahead predicts.
-pub const LOOKAHEAD_MAX: usize = 4;
-
-/// How far a streaming decoder's lookahead guesses (`Tuning::lookahead`).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Lookahead {
-    /// MoE layers each MoE layer predicts: the next `depth` (1 to `LOOKAHEAD_MAX`).
-    pub depth: usize,
-    /// Experts per token kept of every guess (the next MoE layer's and those beyond), its
-    /// best-ranked (at least 1): a guess no slot or cache holds starts a read, and such guesses
-    /// are wrong mostly in their low ranks.
-    pub top: usize,
-}
-
-impl Default for Lookahead {
-    /// One MoE layer ahead, every guessed expert kept.
-    fn default() -> Self {
-        Lookahead {
-            depth: 1,
-            top: usize::MAX,
-        }
-    }
-}
-
-impl Lookahead {
-    /// Experts per token kept of a guess, of the `k` a token routes to.
-    pub fn keep(&self, k: usize) -> usize {
-        self.top.min(k)
-    }
-}
+pub use crate::tuning::{Lookahead, LOOKAHEAD_MAX};
 
 impl StoreOptions {
     /// The lookahead these options ask for (`Tuning::lookahead`); an error names a value out

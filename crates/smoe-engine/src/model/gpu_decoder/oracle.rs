@@ -14,53 +14,13 @@
 //! between the two runs (routing does not depend on it).
 
 use crate::error::EngineError;
+pub use crate::tuning::RouteTrace;
+#[cfg(test)]
+use crate::tuning::DEFAULT_TRACE_DEPTH as DEFAULT_DEPTH;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
-
-/// What `Tuning::route_trace` asks for (the `smoe` binary: `SMOE_ROUTE_TRACE`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RouteTrace {
-    /// Write each decode MoE layer's choice to the file.
-    Record(PathBuf),
-    /// Start reading the true experts of the next `depth` MoE layers from the file's trace.
-    Replay { path: PathBuf, depth: usize },
-}
-
-/// MoE layers the replay reads ahead unless told.
-const DEFAULT_DEPTH: usize = 4;
-
-impl RouteTrace {
-    /// Parses `record:PATH` or `replay:PATH[:DEPTH]`.
-    pub fn parse(v: &str) -> Result<Self, EngineError> {
-        let bad = || {
-            EngineError::Invalid(format!(
-                "SMOE_ROUTE_TRACE={v}: expected record:PATH or replay:PATH[:DEPTH]"
-            ))
-        };
-        let (mode, rest) = v.split_once(':').ok_or_else(bad)?;
-        match mode {
-            "record" if !rest.is_empty() => Ok(RouteTrace::Record(rest.into())),
-            "replay" => {
-                let (path, depth) = match rest.rsplit_once(':') {
-                    Some((p, d)) if d.chars().all(|c| c.is_ascii_digit()) && !d.is_empty() => {
-                        (p, d.parse().map_err(|_| bad())?)
-                    }
-                    _ => (rest, DEFAULT_DEPTH),
-                };
-                if path.is_empty() || depth == 0 {
-                    return Err(bad());
-                }
-                Ok(RouteTrace::Replay {
-                    path: path.into(),
-                    depth,
-                })
-            }
-            _ => Err(bad()),
-        }
-    }
-}
 
 /// One MoE layer's choice: the layer and its expert ids (router order).
 type Event = (usize, Vec<u32>);
