@@ -131,7 +131,8 @@ fn the_check_sees_edges_and_cycles() {
         uses(text),
         BTreeSet::from(["store".to_string(), "spec".to_string()])
     );
-    let roots = reexports("pub mod a;\npub use engine::{Engine, Session};\npub use error::EngineError;");
+    let roots =
+        reexports("pub mod a;\npub use engine::{Engine, Session};\npub use error::EngineError;");
     assert_eq!(roots["Session"], "engine");
     assert_eq!(roots["EngineError"], "error");
     let g = BTreeMap::from([

@@ -5,8 +5,8 @@
 //! buffer at the vault's blob stride, so a grouped matvec picks experts by the router's ids.
 
 use crate::error::EngineError;
-use crate::spec::{self, Ffn, LayerSpec, Mixer, ModelSpec};
 use crate::rope::RopeTable;
+use crate::spec::{self, Ffn, LayerSpec, Mixer, ModelSpec};
 use smoe_compute::gpu::{wgpu, GpuContext, WeightRef};
 use smoe_vault::format::ExpertPart;
 use smoe_vault::tensors::Tensor;

@@ -2,11 +2,11 @@
 //! clip → RoPE; each sequence appends its keys and values to its layer state and attends over
 //! them; x += o(attention).
 
-use crate::spec::Attention;
 use super::super::{mat, Scratch};
 use super::ffn::{add_into, add_rows};
 use crate::error::EngineError;
 use crate::rope::RopeTable;
+use crate::spec::Attention;
 use crate::state::{LayerState, SeqState};
 use smoe_compute::cpu::{matmul, ops};
 use smoe_vault::{TensorData, Vault};

@@ -3,10 +3,10 @@
 //! pass) with an optional sigmoid-gated shared expert. The routed experts come from the expert
 //! store (`Experts::for_each`), which also starts the lookahead's reads when streaming.
 
-use crate::spec::{Ffn, Moe};
 use super::super::{mat, Scratch};
 use super::CpuModel;
 use crate::error::EngineError;
+use crate::spec::{Ffn, Moe};
 use crate::store::Recall;
 use smoe_compute::cpu::{self, matmul, ops, QMatRef};
 use smoe_vault::tensors::Tensor;

@@ -12,10 +12,10 @@
 mod attention;
 mod ffn;
 
-use crate::spec::{Ffn, Mixer, ModelSpec};
 use super::{mat, Logits, Scratch};
 use crate::error::EngineError;
 use crate::rope::RopeTable;
+use crate::spec::{Ffn, Mixer, ModelSpec};
 use crate::state::SeqState;
 use crate::store::{Experts, Lookahead, StoreOptions};
 use attention::AttentionW;

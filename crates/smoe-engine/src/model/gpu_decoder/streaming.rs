@@ -4,15 +4,15 @@
 //! what the host's time at the stops went to (`SlotStats`).
 
 use super::through::Through;
-use super::{nanos, GpuDecoder};
+use super::{add_idle, nanos, GpuDecoder};
 use crate::error::EngineError;
-use crate::gpu::{Op, Readback, Recorder, SlotWriter, T_MAX};
+use crate::gpu::{LayerOps, Op, Readback, Recorder, SlotWriter, T_MAX};
 use crate::store::{Lookahead, PieceSink, ReadTarget, Recall};
 use smoe_compute::gpu::{wgpu, ClockHold, GpuContext};
 use smoe_vault::ModelConfig;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// GPU expert streaming. Per MoE layer the GPU holds `slots` expert blobs (at the blob stride);
 /// a forward pass stops after each MoE layer's router, reads back the chosen ids (one submit +
@@ -284,6 +284,56 @@ impl Streaming {
 }
 
 impl GpuDecoder {
+    /// A streaming pass of n tokens stopped at MoE layer `l`'s routes-known point (its router):
+    /// submits `enc` with copies of the chosen ids (and the lookahead's guesses), records what
+    /// follows (`resume`) while the GPU runs up to the stop, then reads the ids, starts the
+    /// guesses' reads, fills the missing VRAM slots and writes the slot indices the experts
+    /// read — before `resume`'s submission. Returns what `resume` recorded.
+    pub(super) fn routes_known<R>(
+        &self,
+        st: &Streaming,
+        mut enc: wgpu::CommandEncoder,
+        (l, n): (usize, usize),
+        layers: &[LayerOps],
+        host: &mut Duration,
+        resume: impl FnOnce() -> R,
+    ) -> Result<R, EngineError> {
+        let q = &self.ctx.queue;
+        let submitting = Instant::now();
+        let k = self.acts.d.k;
+        let bytes = 4 * (n * k) as u64;
+        st.ids.copy(&mut enc, &self.acts.ids, bytes);
+        let ahead = self.next_moe(l).filter(|_| !layers[l].lookahead.is_empty());
+        if ahead.is_some() {
+            st.ahead.copy(&mut enc, &self.acts.ahead[1], bytes);
+        }
+        q.submit([enc.finish()]);
+        *host += submitting.elapsed();
+        let next = resume();
+        let waiting = Instant::now();
+        let idle_waiting = self.disk_idle();
+        let read = |b: &[u8]| bytemuck::pod_collect_to_vec(b);
+        let ids: Vec<u32> = st.ids.read(&self.ctx, bytes, read)?;
+        if let Some(next) = ahead {
+            let guess: Vec<u32> = st.ahead.read(&self.ctx, bytes, read)?;
+            self.prefetch_guess(st, next, &guess);
+        }
+        let filling = Instant::now();
+        let idle_filling = self.disk_idle();
+        let used: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
+        self.experts.note_uses(l, &used);
+        let ops = &layers[l];
+        let rounds = ops.expert_rounds.clone().map(|r| &ops.post[r]);
+        let slots = self.fill_stop(st, l, &ids, rounds)?;
+        (st.gpu_wait_ns).fetch_add(nanos(filling - waiting), Ordering::Relaxed);
+        (st.fill_ns).fetch_add(nanos(filling.elapsed()), Ordering::Relaxed);
+        let idle_filled = self.disk_idle();
+        add_idle(&st.idle_gpu_wait_ns, idle_waiting, idle_filling);
+        add_idle(&st.idle_fill_ns, idle_filling, idle_filled);
+        q.write_buffer(&self.acts.ids, 0, bytemuck::cast_slice(&slots));
+        Ok(next)
+    }
+
     /// Streaming, at MoE layer `l`'s router stop: puts the experts of `ids` (router order) in
     /// VRAM slots and returns their slot indices, in rounds where a batch on the GEMM path
     /// (`rounds`: its expert sort and grouped GEMMs) has more distinct experts than slots.
