@@ -300,10 +300,12 @@ pub fn judge(checks: &[Check], tol: Tol) -> (String, Vec<String>) {
                     fails.push(format!("{what}: float values need a tolerance, not Exact"));
                     continue;
                 };
-                let ratio = match (err, bound) {
-                    (e, _) if e == 0.0 => 0.0,
-                    (e, b) if b > 0.0 => e / b,
-                    _ => f64::INFINITY,
+                let ratio = if err == 0.0 {
+                    0.0
+                } else if bound > 0.0 {
+                    err / bound
+                } else {
+                    f64::INFINITY
                 };
                 if ratio > worst_ratio {
                     (worst, worst_ratio) = (t.describe(err), ratio);
@@ -311,12 +313,18 @@ pub fn judge(checks: &[Check], tol: Tol) -> (String, Vec<String>) {
                 // NaN fails too.
                 let within = err <= bound;
                 if !within {
-                    let n = got.len().min(4);
+                    // Where it is furthest off (NaN first).
+                    let off = |i: usize| match (got[i] - want[i]).abs() {
+                        d if d.is_nan() => f32::INFINITY,
+                        d => d,
+                    };
+                    let i = (0..got.len()).max_by(|&a, &b| off(a).total_cmp(&off(b)));
+                    let i = i.unwrap_or(0);
                     fails.push(format!(
-                        "{what}: {}; got[..{n}] {:?} want[..{n}] {:?}",
+                        "{what}: {}, furthest at [{i}]: got {}, want {}",
                         t.describe(err).replace("<=", "NOT <="),
-                        &got[..n],
-                        &want[..n]
+                        got.get(i).map_or(f32::NAN, |v| *v),
+                        want.get(i).map_or(f32::NAN, |v| *v),
                     ));
                 }
             }
@@ -638,7 +646,11 @@ fn a_spoiled_output_fails_its_row() {
             ..row
         };
         let o = run_row(&spoiled);
-        let _ = writeln!(std::io::stdout().lock(), "spoiled: {}", o.line);
+        let _ = writeln!(
+            std::io::stdout().lock(),
+            "spoiled on purpose, must fail: {}",
+            o.line
+        );
         match o.verdict {
             Verdict::Fail(_) => seen.push(op),
             // Try the op's next row.

@@ -204,6 +204,8 @@ impl MatVec {
     /// q4 with int8 activations: the product of x as the kernel sees it, int8 codes times a
     /// scale per 64 inputs (plain products only).
     fn int8_twin(&self, inp: &Inputs) -> Vec<f32> {
+        let plain = self.experts.is_none() && !self.gated && self.norm.is_none();
+        assert!(plain, "the int8 twin is of plain products");
         let (rows, cols, nt) = (self.rows, self.cols, self.tokens);
         let xq: Vec<f32> = (inp.x.chunks(64))
             .flat_map(|g| {
