@@ -1,33 +1,54 @@
-//! Every GPU kernel against its CPU twin on fresh random inputs, odd sizes and outputs poisoned
-//! with NaN, judged by NMSE. With no GPU adapter each test prints `skipped: no GPU adapter` and
-//! passes, unless `SMOE_REQUIRE_GPU=1` (set by `.ci/run`), which turns that into a failure.
+//! The GPU kernels against their CPU twins.
+//!
+//! `conformance` runs one table (`table.rs`) of rows — an op, its shapes, its types, a
+//! tolerance — on fresh deterministic inputs, odd sizes, data at offsets inside its buffers and
+//! outputs poisoned with NaN, judged by NMSE (ids exactly); one test per op. What is not such a
+//! comparison has a test of its own: `msl` (every kernel through naga's Metal backend),
+//! `limits` (what the kernels refuse, and how they meet the device's limits) and `control`
+//! (the streaming slot map that halts a pass), `tuning` (a context's typed settings take effect).
+//!
+//! With no GPU adapter every row and test reports `skipped: no GPU adapter` and passes, unless
+//! `SMOE_REQUIRE_GPU=1` (set by `.ci/run`), which turns that into a failure.
 #![cfg(feature = "gpu")]
 
-#[path = "gpu_kernels/attention.rs"]
-mod attention;
-#[path = "gpu_kernels/matmul.rs"]
-mod matmul;
-#[path = "gpu_kernels/matvec.rs"]
-mod matvec;
+#[path = "gpu_kernels/cases/mod.rs"]
+mod cases;
+#[path = "gpu_kernels/conformance.rs"]
+mod conformance;
+#[path = "gpu_kernels/control.rs"]
+mod control;
+#[path = "gpu_kernels/limits.rs"]
+mod limits;
 #[path = "gpu_kernels/msl.rs"]
 mod msl;
-#[path = "gpu_kernels/ops.rs"]
-mod ops;
-#[path = "gpu_kernels/tails.rs"]
-mod tails;
+// One row a line: rustfmt would spread the table over several.
+#[rustfmt::skip]
+#[path = "gpu_kernels/table.rs"]
+mod table;
 #[path = "gpu_kernels/tuning.rs"]
 mod tuning;
 
 use smoe_compute::gpu::{wgpu, GpuContext};
 use std::sync::OnceLock;
 
+/// Whether `SMOE_REQUIRE_GPU=1`: a missing or unusable adapter is then a failure, not a skip.
+pub fn gpu_required() -> bool {
+    std::env::var("SMOE_REQUIRE_GPU").is_ok_and(|v| v == "1")
+}
+
+/// The shared device, or why there is none.
+pub fn gpu_or_why() -> Result<&'static GpuContext, &'static str> {
+    static CTX: OnceLock<Result<GpuContext, String>> = OnceLock::new();
+    let ctx = CTX.get_or_init(|| GpuContext::new().map_err(|e| e.to_string()));
+    ctx.as_ref().map_err(|e| e.as_str())
+}
+
 /// The shared device, or `None` (after saying so) when this machine has none.
 pub fn gpu() -> Option<&'static GpuContext> {
-    static CTX: OnceLock<Result<GpuContext, String>> = OnceLock::new();
-    match CTX.get_or_init(|| GpuContext::new().map_err(|e| e.to_string())) {
+    match gpu_or_why() {
         Ok(c) => Some(c),
         Err(e) => {
-            if std::env::var("SMOE_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+            if gpu_required() {
                 panic!("SMOE_REQUIRE_GPU=1 but the GPU is unusable: {e}");
             }
             // Straight to stderr: libtest would swallow print!/eprint! of a passing test.
@@ -70,9 +91,6 @@ pub fn nmse(got: &[f32], want: &[f32]) -> f64 {
 #[track_caller]
 pub fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f64) {
     let e = nmse(got, want);
-    if std::env::var("SMOE_PRINT_NMSE").is_ok() {
-        println!("{what}: NMSE {e:.2e}");
-    }
     assert!(
         e <= tol,
         "{what}: NMSE {e:.3e} > {tol:.0e}; got[..4] {:?} want[..4] {:?}",
