@@ -2,7 +2,7 @@
 //! (the indirect dispatches after it run no workgroups) or maps ids to VRAM slots.
 
 use super::cases::ops::cpu_argmax;
-use super::{assert_close, gpu, rand_vec};
+use super::{gpu, rand_vec};
 use smoe_compute::cpu::ops;
 use smoe_compute::gpu::{Argmax, BufRef};
 
