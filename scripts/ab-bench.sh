@@ -10,9 +10,9 @@
 # logs under $OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-case "${1:-}" in
-pack)
-    old=${2:?the other build's smoe binary}
+mode=${1:-}
+if [ "$mode" = pack ]; then
+    old=${2:?usage: $0 pack OLD_SMOE}
     grep -qx '/.dev/' .git/info/exclude 2>/dev/null || echo '/.dev/' >> .git/info/exclude
     grep -qx '/.gl/' .git/info/exclude 2>/dev/null || echo '/.gl/' >> .git/info/exclude
     if ! ls .gl/libegl1_*.deb >/dev/null 2>&1; then
@@ -28,8 +28,7 @@ pack)
     strip .dev/ab/*
     tar cf - .dev/ab | xz -T2 --lzma2=preset=6,dict=192MiB > .dev/ab.tar.xz
     ls -la .dev/ab.tar.xz
-    ;;
-run)
+elif [ "$mode" = run ]; then
     for f in .gl/*.deb; do dpkg -x "$f" /; done
     ldconfig >/dev/null 2>&1 || true
     export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
@@ -63,9 +62,7 @@ for f in sorted(glob.glob(out + '/*.json'), key=os.path.getmtime):
           f"prefill {p.get('median', 0):8.1f} ({p.get('min', 0):.1f}-{p.get('max', 0):.1f})")
 PY
     for f in "$OUT"/*.err; do echo "== $f"; grep -i 'error\|warn' "$f" | sort | uniq -c | head -5; done
-    ;;
-*)
+else
     echo "usage: $0 pack OLD_SMOE | run" >&2
     exit 2
-    ;;
-esac
+fi
