@@ -13,17 +13,7 @@
 # See docs/testing.md ("Trying a kernel variant") and docs/performance.md for what was measured.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-grep -qx '/.dev/' .git/info/exclude 2>/dev/null || echo '/.dev/' >> .git/info/exclude
-grep -qx '/.gl/' .git/info/exclude 2>/dev/null || echo '/.gl/' >> .git/info/exclude
-
-# The loader and the GL vendor libraries NVIDIA's Vulkan driver there needs (without the latter
-# wgpu finds no adapter).
-if ! ls .gl/libegl1_*.deb >/dev/null 2>&1; then
-    mkdir -p .gl /tmp/amd64/partial
-    o='-oAPT::Architecture=amd64 -oAPT::Architectures=amd64 -oDir::State::Lists=/tmp/amd64'
-    apt-get $o update >/dev/null
-    (cd .gl && apt-get $o download libvulkan1 libegl1 libglvnd0 libopengl0 libgl1 libglx0 libgles2 >/dev/null)
-fi
+source scripts/device-debs.sh
 
 cargo build --release -p smoe-cli
 rm -rf .dev/bin && mkdir -p .dev/bin
