@@ -18,6 +18,7 @@ mod acts;
 mod head;
 mod kv;
 mod layer;
+mod lowering;
 mod record;
 mod slots;
 mod weights;

@@ -39,6 +39,7 @@ mod build;
 mod oracle;
 mod profile;
 mod runner;
+mod slot_stats;
 mod streaming;
 mod through;
 mod vram;
@@ -47,8 +48,8 @@ pub use oracle::RouteTrace;
 pub use profile::GpuProfile;
 use profile::Profiling;
 use runner::{add_idle, nanos, record_head, End};
+pub use slot_stats::{DiskIdle, SlotStats};
 use streaming::Streaming;
-pub use streaming::{DiskIdle, SlotStats};
 use through::Through;
 
 pub struct GpuDecoder {
