@@ -96,6 +96,9 @@ pub(super) fn host_weights(shape: &BenchShape, dtype: DType) -> Vec<u8> {
     )
 }
 
+/// One copy's kernel, whichever type it is, as the timed pass records it.
+type Record = Box<dyn Fn(&mut wgpu::ComputePass<'_>)>;
+
 /// (weight bytes per call, seconds per call, the GEMM's tile) of `kernel` on a prefill shape.
 pub(super) fn bench_prefill(
     ctx: &GpuContext,
@@ -142,7 +145,7 @@ pub(super) fn bench_prefill(
     for _ in 0..copies {
         keep.push(ctx.upload("bench weights", host));
     }
-    let mut recs: Vec<Box<dyn Fn(&mut wgpu::ComputePass<'_>)>> = vec![];
+    let mut recs: Vec<Record> = vec![];
     let mut tile = None;
     for wbuf in &keep {
         let w = WeightRef {
