@@ -2,6 +2,7 @@
 
 mod cmd;
 mod common;
+mod route_trace;
 mod sampling_args;
 mod store_args;
 mod tuning;

@@ -16,18 +16,19 @@
 //! | `SMOE_LOOKAHEAD_DEPTH=N` | `Tuning::lookahead` depth | 1 |
 //! | `SMOE_LOOKAHEAD_TOP=N` | `Tuning::lookahead` top | every guessed expert |
 //! | `SMOE_MAPPED_SLOTS=0` | `Tuning::mapped_slots` false | on |
-//! | `SMOE_ROUTE_TRACE=record:PATH\|replay:PATH[:DEPTH]` | `Tuning::route_trace` | none |
+//! | `SMOE_ROUTE_TRACE=record:PATH\|replay:PATH[:DEPTH]` | `Tuning::route_oracle` (`route_trace::Oracle`) | none |
 //!
 //! The process-wide ones (the CPU kernels, the GPU device) are applied once at start
 //! (`configure_process`); the engine's go into every model's `StoreOptions` (`engine`).
 
+use crate::route_trace::{Oracle, RouteTrace};
 use anyhow::{bail, Result};
 use smoe_compute::cpu::Simd;
 use smoe_compute::gpu::{ExecBarriers, GpuTuning};
-use smoe_engine::model::gpu_decoder::RouteTrace;
 use smoe_engine::store::{Lookahead, LOOKAHEAD_MAX};
 use smoe_engine::Tuning;
 use std::ffi::OsString;
+use std::sync::Arc;
 
 /// A source of variables: the process's environment, or a test's table.
 type Env<'a> = &'a dyn Fn(&str) -> Option<OsString>;
@@ -53,9 +54,24 @@ pub fn configure_process() -> Result<()> {
     Ok(())
 }
 
-/// The engine's settings for a model (`StoreOptions::tuning`).
+/// The engine's settings for a model (`StoreOptions::tuning`), with the routing oracle opened
+/// where `SMOE_ROUTE_TRACE` asks for one.
 pub fn engine() -> Result<Tuning> {
-    engine_from(&process_env)
+    let oracle = match route_trace(&process_env)? {
+        Some(trace) => Some(smoe_engine::tuning::Oracle(Arc::new(Oracle::open(&trace)?))),
+        None => None,
+    };
+    Ok(Tuning {
+        route_oracle: oracle,
+        ..engine_from(&process_env)?
+    })
+}
+
+/// What `SMOE_ROUTE_TRACE` asks for.
+fn route_trace(env: Env) -> Result<Option<RouteTrace>> {
+    text(env, "SMOE_ROUTE_TRACE")
+        .map(|v| RouteTrace::parse(&v))
+        .transpose()
 }
 
 fn simd(env: Env) -> Simd {
@@ -108,9 +124,7 @@ fn engine_from(env: Env) -> Result<Tuning> {
         &|_| true,
         "a number of MoE layers (0: off)",
     )?;
-    let route_trace = text(env, "SMOE_ROUTE_TRACE")
-        .map(|v| RouteTrace::parse(&v))
-        .transpose()?;
+    route_trace(env)?;
     let d = Tuning::default();
     Ok(Tuning {
         fused_router: !off(env, "SMOE_FUSED_ROUTER"),
@@ -122,7 +136,7 @@ fn engine_from(env: Env) -> Result<Tuning> {
             top: top.unwrap_or(d.lookahead.top),
         },
         mapped_slots: !off(env, "SMOE_MAPPED_SLOTS"),
-        route_trace,
+        route_oracle: None,
     })
 }
 
@@ -183,12 +197,14 @@ mod tests {
             speculate: Some(3),
             lookahead: Lookahead { depth: 4, top: 2 },
             mapped_slots: false,
-            route_trace: Some(RouteTrace::Replay {
-                path: "/tmp/t".into(),
-                depth: 2,
-            }),
+            route_oracle: None,
         };
         assert_eq!(engine_from(&env).unwrap(), want);
+        let trace = RouteTrace::Replay {
+            path: "/tmp/t".into(),
+            depth: 2,
+        };
+        assert_eq!(route_trace(&env).unwrap(), Some(trace));
         // Only `0` turns a switch off; an unknown barrier scope keeps the default.
         let env = table(&[("SMOE_FUSED_ROUTER", "1"), ("SMOE_EXEC_BARRIERS", "x")]);
         assert!(engine_from(&env).unwrap().fused_router);

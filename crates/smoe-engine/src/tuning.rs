@@ -5,7 +5,7 @@
 //! `smoe_compute::gpu::GpuTuning`, given to `gpu::configure`.
 
 use crate::error::EngineError;
-use std::path::PathBuf;
+use std::sync::Arc;
 
 /// The engine's tuning switches.
 #[derive(Clone, Debug, PartialEq)]
@@ -34,9 +34,8 @@ pub struct Tuning {
     /// mapping where the device allows it; false: always through wgpu's staging memory.
     /// Default: true.
     pub mapped_slots: bool,
-    /// GPU streaming, a measurement: record each decode MoE layer's choice to a file, or
-    /// replay such a trace as perfect guesses (`RouteTrace`). Default: `None`.
-    pub route_trace: Option<RouteTrace>,
+    /// GPU streaming, a measurement: routing known ahead (`RouteOracle`). Default: `None`.
+    pub route_oracle: Option<Oracle>,
 }
 
 impl Default for Tuning {
@@ -48,51 +47,43 @@ impl Default for Tuning {
             speculate: None,
             lookahead: Lookahead::default(),
             mapped_slots: true,
-            route_trace: None,
+            route_oracle: None,
         }
     }
 }
 
-/// What `Tuning::route_trace` asks for (the `smoe` binary: `SMOE_ROUTE_TRACE`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RouteTrace {
-    /// Write each decode MoE layer's choice to the file.
-    Record(PathBuf),
-    /// Start reading the true experts of the next `depth` MoE layers from the file's trace.
-    Replay { path: PathBuf, depth: usize },
+/// Routing known ahead, a measurement hook of the streamed GPU decode: the decoder tells it each
+/// decode MoE layer's choice (`used`) and, where it `replays`, reads the experts of the choices it
+/// says come next (`ahead`) as needed reads instead of guessing. It measures how close the decode
+/// gets to the I/O bound when guessing is not what limits it; `smoe`'s routing oracle (a
+/// recorded trace, `SMOE_ROUTE_TRACE`) is one, in the CLI's bench code.
+pub trait RouteOracle: Send + Sync {
+    /// Decode MoE layer `layer` ran with the experts `ids` (router order).
+    fn used(&self, layer: usize, ids: &[u32]) -> Result<(), EngineError>;
+    /// The next MoE layers' choices it knows, nearest first (none: guess as usual).
+    fn ahead(&self) -> Vec<(usize, Vec<u32>)>;
+    /// Whether it knows choices ahead: the decoder's own guesses are then off.
+    fn replays(&self) -> bool;
 }
 
-/// MoE layers the replay reads ahead unless told.
-pub const DEFAULT_TRACE_DEPTH: usize = 4;
+/// A `RouteOracle` in `Tuning` (compared by identity).
+#[derive(Clone)]
+pub struct Oracle(pub Arc<dyn RouteOracle>);
 
-impl RouteTrace {
-    /// Parses `record:PATH` or `replay:PATH[:DEPTH]`.
-    pub fn parse(v: &str) -> Result<Self, EngineError> {
-        let bad = || {
-            EngineError::Invalid(format!(
-                "SMOE_ROUTE_TRACE={v}: expected record:PATH or replay:PATH[:DEPTH]"
-            ))
+impl std::fmt::Debug for Oracle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mode = if self.0.replays() {
+            "replays"
+        } else {
+            "records"
         };
-        let (mode, rest) = v.split_once(':').ok_or_else(bad)?;
-        match mode {
-            "record" if !rest.is_empty() => Ok(RouteTrace::Record(rest.into())),
-            "replay" => {
-                let (path, depth) = match rest.rsplit_once(':') {
-                    Some((p, d)) if d.chars().all(|c| c.is_ascii_digit()) && !d.is_empty() => {
-                        (p, d.parse().map_err(|_| bad())?)
-                    }
-                    _ => (rest, DEFAULT_TRACE_DEPTH),
-                };
-                if path.is_empty() || depth == 0 {
-                    return Err(bad());
-                }
-                Ok(RouteTrace::Replay {
-                    path: path.into(),
-                    depth,
-                })
-            }
-            _ => Err(bad()),
-        }
+        write!(f, "RouteOracle({mode})")
+    }
+}
+
+impl PartialEq for Oracle {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
     }
 }
 

@@ -8,11 +8,14 @@
 
 use smoe_compute::gpu::wgpu;
 use smoe_engine::engine::{Backend, EngineOptions};
-use smoe_engine::model::gpu_decoder::{RouteTrace, SlotStats};
+use smoe_engine::model::gpu_decoder::SlotStats;
 use smoe_engine::store::{CacheBudget, Lookahead, StoreOptions, DEFAULT_READ_PIECE};
+use smoe_engine::tuning::{Oracle, RouteOracle};
 use smoe_engine::{Engine, Model, Tuning};
 use smoe_vault::DType;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 mod common;
 use common::{check_deeper_guesses, deep_lookahead_store, greedy, have_gpu, TempVault};
@@ -30,7 +33,7 @@ fn open_traced(
     budget: CacheBudget,
     read_piece: usize,
     mapped_slots: bool,
-    route_trace: Option<RouteTrace>,
+    route_oracle: Option<Arc<dyn RouteOracle>>,
 ) -> Engine {
     open_store(
         StoreOptions {
@@ -41,7 +44,7 @@ fn open_traced(
             fault: None,
             tuning: Tuning {
                 mapped_slots,
-                route_trace,
+                route_oracle: route_oracle.map(Oracle),
                 ..Default::default()
             },
             ..Default::default()
@@ -313,7 +316,67 @@ fn a_deeper_lookahead_reads_further_ahead_and_changes_no_token() {
     assert!(err.is_err_and(|e| e.to_string().contains("lookahead depth")));
 }
 
-/// The routing oracle (a measurement of the I/O bound, `SMOE_ROUTE_TRACE`): a run records each
+/// The engine's oracle hook as this test drives it: it records the decode MoE layers' choices,
+/// or replays them `depth` layers ahead until the run departs (smoe's own, reading and writing
+/// a trace file, is in smoe-cli's `route_trace`).
+struct TraceOracle {
+    events: Mutex<Vec<(usize, Vec<u32>)>>,
+    /// Replaying, this many MoE layers ahead; `None`: recording.
+    depth: Option<usize>,
+    cursor: Mutex<usize>,
+    lost: AtomicBool,
+}
+
+impl TraceOracle {
+    fn new(events: Vec<(usize, Vec<u32>)>, depth: Option<usize>) -> Arc<Self> {
+        Arc::new(TraceOracle {
+            events: Mutex::new(events),
+            depth,
+            cursor: Mutex::new(0),
+            lost: AtomicBool::new(false),
+        })
+    }
+}
+
+impl RouteOracle for TraceOracle {
+    fn used(&self, layer: usize, ids: &[u32]) -> Result<(), smoe_engine::EngineError> {
+        let mut events = self.events.lock().unwrap();
+        if self.depth.is_none() {
+            events.push((layer, ids.to_vec()));
+            return Ok(());
+        }
+        let mut c = self.cursor.lock().unwrap();
+        match events.get(*c) {
+            Some((l, e)) if *l == layer && e[..] == *ids => *c += 1,
+            _ => self.lost.store(true, Ordering::Relaxed),
+        }
+        Ok(())
+    }
+
+    fn ahead(&self) -> Vec<(usize, Vec<u32>)> {
+        let Some(depth) = self.depth.filter(|_| !self.lost.load(Ordering::Relaxed)) else {
+            return vec![];
+        };
+        let events = self.events.lock().unwrap();
+        let c = *self.cursor.lock().unwrap();
+        // Up to the next use of a layer already listed.
+        let mut seen = vec![];
+        (events.iter().skip(c).take(depth))
+            .take_while(|(l, _)| {
+                let new = !seen.contains(l);
+                seen.push(*l);
+                new
+            })
+            .cloned()
+            .collect()
+    }
+
+    fn replays(&self) -> bool {
+        self.depth.is_some()
+    }
+}
+
+/// The routing oracle (a measurement of the I/O bound, `Tuning::route_oracle`): a run records each
 /// decode MoE layer's choice; replaying that trace, the decoder reads the true experts of the
 /// next layers ahead instead of guessing — the same tokens, reads started ahead, none wasted.
 /// At each halt the blobs it has read for later layers go into their slots too (fill-ahead),
@@ -324,31 +387,28 @@ fn a_replayed_routing_trace_reads_ahead_and_changes_no_token() {
         return;
     }
     let v = TempVault::new("tiny-qwen2moe", DType::Q4);
-    let trace = v.0.with_extension("route-trace");
     // One prompt token: every pass is a decode batch, so every MoE layer is traced.
     let prompt = [5u32];
+    let recorder = TraceOracle::new(vec![], None);
     let rec = open_traced(
         &v.0,
         CacheBudget::Bytes(0),
         DEFAULT_READ_PIECE,
         true,
-        Some(RouteTrace::Record(trace.clone())),
+        Some(recorder.clone()),
     );
     let want = greedy(&rec, &prompt, 24);
     drop(rec);
-    let lines = std::fs::read_to_string(&trace).unwrap().lines().count();
-    assert!(lines >= 24, "{lines} traced layers");
-    let replay = RouteTrace::Replay {
-        path: trace.clone(),
-        depth: 3,
-    };
+    let trace = recorder.events.lock().unwrap().clone();
+    assert!(trace.len() >= 24, "{} traced layers", trace.len());
     let replayed = |fill_ahead: bool| {
+        let oracle = TraceOracle::new(trace.clone(), Some(3));
         let e = open_traced(
             &v.0,
             CacheBudget::Bytes(0),
             DEFAULT_READ_PIECE,
             true,
-            Some(replay.clone()),
+            Some(oracle),
         );
         let Model::Gpu(g) = &e.model else {
             unreachable!()
@@ -385,7 +445,6 @@ fn a_replayed_routing_trace_reads_ahead_and_changes_no_token() {
     let other = [7u32];
     let free = open(&v.0, CacheBudget::Resident);
     assert_eq!(greedy(&e, &other, 8), greedy(&free, &other, 8));
-    std::fs::remove_file(&trace).ok();
 }
 
 /// Faults on the GPU streaming path: an I/O error while filling VRAM slots fails the request

@@ -36,7 +36,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 mod build;
-mod oracle;
 mod profile;
 mod runner;
 mod slot_stats;
@@ -44,7 +43,6 @@ mod streaming;
 mod through;
 mod vram;
 
-pub use oracle::RouteTrace;
 pub use profile::GpuProfile;
 use profile::Profiling;
 use runner::{add_idle, nanos, record_head, End};

@@ -136,8 +136,7 @@ impl GpuDecoder {
                 None if st.lands => 0,
                 None => through::SPEC_DEPTH,
             };
-            let trace = store.tuning.route_trace.as_ref();
-            let oracle = trace.map(oracle::Oracle::open).transpose()?;
+            let oracle = (store.tuning.route_oracle.as_ref()).map(|o| o.0.clone());
             // Replaying a trace, the oracle's guesses replace the decoder's own.
             let depth = match &oracle {
                 Some(o) if o.replays() => 0,

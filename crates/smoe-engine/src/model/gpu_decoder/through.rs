@@ -32,7 +32,6 @@
 //! While the decoder is profiling (`--breakdown`) decode takes the stop at every MoE layer
 //! instead: its timestamps mark every step of one submission.
 
-use super::oracle::Oracle;
 use super::streaming::{distinct, Streaming};
 use super::{add_idle, nanos, record_head, End, GpuDecoder};
 use crate::error::EngineError;
@@ -40,11 +39,13 @@ use crate::gpu::{
     Acts, AtRoutes, GpuKv, Head, LayerOps, Op, Readback, Recorder, AHEAD_MAX, GEMM_MIN, T_MAX,
 };
 use crate::store::{Lookahead, Recall};
+use crate::tuning::RouteOracle;
 use smoe_compute::gpu::{
     wgpu, BufRef, GpuContext, IndirectArgs, SlotGuess, SlotMap, SlotMapBufs, NO_SLOT,
 };
 use smoe_vault::ModelConfig;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -95,8 +96,8 @@ pub(super) struct Through {
     /// memory, at halts and while the GPU runs a window (`fill_ahead`; `Tuning::fill_ahead`
     /// or `set_fill_ahead` turn it off).
     pub(super) fill_ahead: AtomicBool,
-    /// A routing trace being recorded or replayed (`oracle`).
-    oracle: Option<Oracle>,
+    /// Routing known ahead, a measurement (`Tuning::route_oracle`).
+    oracle: Option<Arc<dyn RouteOracle>>,
 }
 
 /// Byte layout of `Through::readback`: status (16 bytes), chosen ids, lookahead ids.
@@ -107,7 +108,7 @@ fn chosen_bytes(cfg: &ModelConfig) -> u64 {
 impl Through {
     /// `max_piece`: the largest batch whose experts always fit the slots; `spec_depth`: MoE
     /// layers a speculative pass looks ahead (0: none); `lookahead`: a slot map halts only for
-    /// each token's kept best-ranked guesses (`Lookahead::keep`); `oracle`: a routing trace to
+    /// each token's kept best-ranked guesses (`Lookahead::keep`); `oracle`: routing known ahead, to
     /// record or replay (replaying, no layer halts for a lookahead guess: the oracle's reads
     /// replace those guesses).
     #[allow(clippy::too_many_arguments)]
@@ -118,10 +119,10 @@ impl Through {
         max_piece: usize,
         spec_depth: usize,
         lookahead: Lookahead,
-        oracle: Option<Oracle>,
+        oracle: Option<Arc<dyn RouteOracle>>,
         tuning: &crate::Tuning,
     ) -> Result<Self, EngineError> {
-        let guesses = !oracle.as_ref().is_some_and(Oracle::replays);
+        let guesses = !oracle.as_ref().is_some_and(|o| o.replays());
         let k = cfg.num_experts_per_tok.max(1);
         let buf = |label: &str, bytes: u64, usage: wgpu::BufferUsages| {
             ctx.device.create_buffer(&wgpu::BufferDescriptor {
@@ -212,7 +213,7 @@ impl Through {
 
     /// Whether a routing trace is replayed: its reads replace the lookahead's guesses.
     fn replays(&self) -> bool {
-        self.oracle.as_ref().is_some_and(Oracle::replays)
+        self.oracle.as_ref().is_some_and(|o| o.replays())
     }
 
     /// The slot maps of a batch of n tokens (a power of two), where such a batch runs through.

@@ -1,5 +1,6 @@
-//! A routing oracle, for measurements: how close a streamed GPU decode gets to the I/O bound
-//! when guessing which experts the next layers will want is not what limits it.
+//! The routing oracle, a measurement mode of `smoe` (`SMOE_ROUTE_TRACE`): how close a streamed
+//! GPU decode gets to the I/O bound when guessing which experts the next layers will want is not
+//! what limits it. It is the engine's `RouteOracle` hook, implemented here with the bench code.
 //!
 //! A run with `SMOE_ROUTE_TRACE=record:PATH` writes every decode MoE layer's chosen experts to
 //! PATH in the order the streaming decoder used them (one line per layer: the layer, then the
@@ -13,19 +14,57 @@
 //! Only decode batches that run through (`through`) are traced; the expert budget may differ
 //! between the two runs (routing does not depend on it).
 
-use crate::error::EngineError;
-pub use crate::tuning::RouteTrace;
-#[cfg(test)]
-use crate::tuning::DEFAULT_TRACE_DEPTH as DEFAULT_DEPTH;
+use smoe_engine::tuning::RouteOracle;
+use smoe_engine::EngineError;
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
+
+/// What `SMOE_ROUTE_TRACE` asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RouteTrace {
+    /// Write each decode MoE layer's choice to the file.
+    Record(PathBuf),
+    /// Start reading the true experts of the next `depth` MoE layers from the file's trace.
+    Replay { path: PathBuf, depth: usize },
+}
+
+/// MoE layers the replay reads ahead unless told.
+const DEFAULT_DEPTH: usize = 4;
+
+impl RouteTrace {
+    /// Parses `record:PATH` or `replay:PATH[:DEPTH]`.
+    pub fn parse(v: &str) -> anyhow::Result<Self> {
+        let bad =
+            || anyhow::anyhow!("SMOE_ROUTE_TRACE={v}: expected record:PATH or replay:PATH[:DEPTH]");
+        let (mode, rest) = v.split_once(':').ok_or_else(bad)?;
+        match mode {
+            "record" if !rest.is_empty() => Ok(RouteTrace::Record(rest.into())),
+            "replay" => {
+                let (path, depth) = match rest.rsplit_once(':') {
+                    Some((p, d)) if d.chars().all(|c| c.is_ascii_digit()) && !d.is_empty() => {
+                        (p, d.parse().map_err(|_| bad())?)
+                    }
+                    _ => (rest, DEFAULT_DEPTH),
+                };
+                if path.is_empty() || depth == 0 {
+                    return Err(bad());
+                }
+                Ok(RouteTrace::Replay {
+                    path: path.into(),
+                    depth,
+                })
+            }
+            _ => Err(bad()),
+        }
+    }
+}
 
 /// One MoE layer's choice: the layer and its expert ids (router order).
 type Event = (usize, Vec<u32>);
 
-pub(super) enum Oracle {
+pub enum Oracle {
     Record(Mutex<std::fs::File>),
     Replay {
         events: Vec<Event>,
@@ -38,19 +77,16 @@ pub(super) enum Oracle {
 }
 
 impl Oracle {
-    pub(super) fn open(t: &RouteTrace) -> Result<Self, EngineError> {
-        let io = |p: &Path, e: std::io::Error| {
-            EngineError::Invalid(format!("route trace {}: {e}", p.display()))
-        };
+    pub fn open(t: &RouteTrace) -> anyhow::Result<Self> {
+        let io = |p: &Path, e: std::io::Error| anyhow::anyhow!("route trace {}: {e}", p.display());
         Ok(match t {
             RouteTrace::Record(p) => {
                 Oracle::Record(Mutex::new(std::fs::File::create(p).map_err(|e| io(p, e))?))
             }
             RouteTrace::Replay { path, depth } => {
                 let text = std::fs::read_to_string(path).map_err(|e| io(path, e))?;
-                let events = parse_events(&text).map_err(|m| {
-                    EngineError::Invalid(format!("route trace {}: {m}", path.display()))
-                })?;
+                let events = parse_events(&text)
+                    .map_err(|m| anyhow::anyhow!("route trace {}: {m}", path.display()))?;
                 Oracle::Replay {
                     events,
                     cursor: Mutex::new(0),
@@ -60,15 +96,17 @@ impl Oracle {
             }
         })
     }
+}
 
+impl RouteOracle for Oracle {
     /// Whether this oracle guesses (and the decoder's own guesses are off).
-    pub(super) fn replays(&self) -> bool {
+    fn replays(&self) -> bool {
         matches!(self, Oracle::Replay { .. })
     }
 
     /// MoE layer `l` of a decode batch ran with the experts `ids`: written to the trace, or
     /// checked against it.
-    pub(super) fn used(&self, l: usize, ids: &[u32]) -> Result<(), EngineError> {
+    fn used(&self, l: usize, ids: &[u32]) -> Result<(), EngineError> {
         match self {
             Oracle::Record(f) => {
                 let mut line = l.to_string();
@@ -108,7 +146,7 @@ impl Oracle {
 
     /// The next `depth` MoE layers' choices of the trace, up to the first layer that comes
     /// again (none while recording or once lost).
-    pub(super) fn ahead(&self) -> Vec<Event> {
+    fn ahead(&self) -> Vec<Event> {
         match self {
             Oracle::Replay {
                 events,
