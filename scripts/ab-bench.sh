@@ -3,7 +3,8 @@
 # Qwen3-30B-A3B q4 synthetic vault (dense tensors q4 too), resident (tg128, pp512) and streamed
 # at --expert-cache 25 %, the two builds alternating (A B B A) so drift hits both alike.
 #
-#   scripts/ab-bench.sh pack OLD_SMOE      # here: packs OLD_SMOE as A, target/release/smoe as B
+#   scripts/ab-bench.sh pack OLD           # here: packs OLD as A (a smoe binary, or a git revision
+#                                          # built in a scratch worktree), target/release/smoe as B
 #   # device tool: carry [".gl", ".dev/ab.tar.xz"], run `bash scripts/ab-bench.sh run`
 #
 # Prints one line per run (decode and prefill tok/s: median, min, max) and keeps the JSON and
@@ -12,8 +13,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
 if [ "$mode" = pack ]; then
-    old=${2:?usage: $0 pack OLD_SMOE}
+    old=${2:?usage: $0 pack OLD_SMOE_OR_REV}
     source scripts/device-debs.sh
+    if [ ! -f "$old" ]; then
+        # A revision: built in a scratch worktree, sharing this tree's target folder (the
+        # dependencies are built once; the workspace's crates apart, by their path).
+        rev=$(git rev-parse --verify "$old^{commit}")
+        wt=/tmp/smoe-ab-$rev
+        [ -d "$wt" ] || git worktree add -q --detach "$wt" "$rev"
+        (cd "$wt" && cargo build --release -p smoe-cli --target-dir "$OLDPWD/target/ab-old")
+        old=target/ab-old/release/smoe
+    fi
     cargo build --release -p smoe-cli
     rm -rf .dev/ab && mkdir -p .dev/ab
     cp "$old" .dev/ab/smoe-a
@@ -56,6 +66,6 @@ for f in sorted(glob.glob(out + '/*.json'), key=os.path.getmtime):
 PY
     for f in "$OUT"/*.err; do echo "== $f"; grep -i 'error\|warn' "$f" | sort | uniq -c | head -5; done
 else
-    echo "usage: $0 pack OLD_SMOE | run" >&2
+    echo "usage: $0 pack OLD_SMOE_OR_REV | run" >&2
     exit 2
 fi
