@@ -136,6 +136,11 @@ impl GpuDecoder {
                 None if st.lands => 0,
                 None => through::SPEC_DEPTH,
             };
+            // A speculative pass runs later layers at the current position before the real
+            // pass does and leaves their state written there: harmless for KV (the real pass
+            // rewrites the same position), not for a state every position folds into.
+            let positional = spec.states().iter().all(|s| s.truncatable());
+            let depth = if positional { depth } else { 0 };
             let oracle = (store.tuning.route_oracle.as_ref()).map(|o| o.0.clone());
             // Replaying a trace, the oracle's guesses replace the decoder's own.
             let depth = match &oracle {
