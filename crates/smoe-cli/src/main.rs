@@ -55,8 +55,10 @@ enum Command {
 
 fn main() {
     let cli = Cli::parse();
+    quiet_on_closed_pipe(&cli.command);
     common::init_logging(cli.verbose);
-    // A panic is a bug, but the user still gets one line, not a backtrace dump.
+    // A panic is a bug, but the user still gets one line, not a backtrace dump (and nothing
+    // at all where stderr is closed: a failed write here would abort).
     std::panic::set_hook(Box::new(|info| {
         let msg = info
             .payload()
@@ -68,7 +70,9 @@ fn main() {
             .location()
             .map(|l| format!(" at {}:{}", l.file(), l.line()))
             .unwrap_or_default();
-        eprintln!("error: internal error (please report): {msg}{at}");
+        use std::io::Write;
+        let line = format!("error: internal error (please report): {msg}{at}");
+        let _ = writeln!(std::io::stderr(), "{line}");
     }));
     if let Some(n) = cli.threads {
         if let Err(e) = rayon::ThreadPoolBuilder::new()
@@ -101,6 +105,22 @@ fn main() {
         eprintln!("error: {}", one_line(&e));
         std::process::exit(1);
     }
+}
+
+/// A command whose stdout is closed early (`smoe inspect M | head -1`) ends quietly, as the
+/// SIGPIPE convention has it for command-line tools, instead of failing on a broken pipe.
+/// `serve` keeps Rust's default (SIGPIPE ignored): a client that goes away is an error the
+/// server handles, not a reason to exit.
+fn quiet_on_closed_pipe(command: &Command) {
+    #[cfg(unix)]
+    if !matches!(command, Command::Serve(_)) {
+        // SAFETY: restoring the default disposition of one signal, before any thread starts.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = command;
 }
 
 /// The error and its causes on one line, joined by ": ", leaving out a cause whose text the

@@ -695,3 +695,44 @@ fn bench_disk_reads_each_size_on_each_thread_count() {
         "--threads",
     );
 }
+
+/// A closed stdout (`smoe logprobs … | head -1`, `smoe generate … | head -c 10`) ends smoe
+/// quietly: exit 0 or the SIGPIPE convention, never an "internal error" about a broken pipe.
+#[cfg(unix)]
+#[test]
+fn a_closed_stdout_ends_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::Stdio;
+    let runs: [&[&str]; 2] = [
+        &["logprobs", "--prompt-ids", "1,2,3,4", "--json"],
+        &[
+            "generate",
+            "--prompt",
+            "In Python",
+            "-n",
+            "48",
+            "--temperature",
+            "0",
+        ],
+    ];
+    for args in runs {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_smoe"))
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The reader goes away before smoe writes.
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!stderr.contains("internal error"), "{args:?}: {stderr}");
+        assert!(!stderr.contains("Broken pipe"), "{args:?}: {stderr}");
+        let sigpipe = out.status.signal() == Some(13);
+        assert!(
+            out.status.success() || sigpipe,
+            "{args:?}: {:?} {stderr}",
+            out.status
+        );
+    }
+}
