@@ -736,3 +736,28 @@ fn a_closed_stdout_ends_quietly() {
         );
     }
 }
+
+/// `--threads` beyond the machine's cores is capped there, with a warning naming both.
+#[test]
+fn threads_beyond_the_cores_are_capped_with_a_warning() {
+    let out = Command::new(env!("CARGO_BIN_EXE_smoe"))
+        .args([
+            "--threads",
+            "10000",
+            "logprobs",
+            "--prompt-ids",
+            "1,2,3",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let cores = std::thread::available_parallelism().unwrap().get();
+    assert!(
+        stderr.contains(&format!(
+            "--threads 10000: this machine has {cores} cores; using {cores}"
+        )),
+        "{stderr}"
+    );
+}
