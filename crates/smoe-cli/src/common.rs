@@ -77,13 +77,18 @@ pub fn open_engine_with(
     Ok(engine)
 }
 
-/// Parses `1,2,3` (spaces allowed).
+/// Parses `1,2,3` (spaces allowed; an empty item such as in `1,,2` is an error, not skipped).
 pub fn parse_ids(s: &str) -> Result<Vec<u32>> {
+    if s.trim().is_empty() {
+        bail!("--prompt-ids: no token ids given");
+    }
     let ids: Vec<u32> = s
         .split(',')
         .map(str::trim)
-        .filter(|x| !x.is_empty())
         .map(|x| {
+            if x.is_empty() {
+                bail!("--prompt-ids: an empty item in '{s}' (expected ids separated by single commas)");
+            }
             x.parse::<u32>()
                 .with_context(|| format!("--prompt-ids: '{x}' is not a token id"))
         })
@@ -133,5 +138,20 @@ pub fn human_bytes(n: u64) -> String {
         format!("{n} B")
     } else {
         format!("{v:.2} {}", units[u])
+    }
+}
+
+#[cfg(test)]
+mod ids_tests {
+    use super::parse_ids;
+
+    #[test]
+    fn prompt_ids_refuse_empty_items() {
+        assert_eq!(parse_ids(" 1, 2,3 ").unwrap(), vec![1, 2, 3]);
+        for bad in ["1,,2", "1,2,", ",1", "", " ", "1,x"] {
+            assert!(parse_ids(bad).is_err(), "{bad:?} accepted");
+        }
+        let e = parse_ids("1,,2").unwrap_err().to_string();
+        assert!(e.contains("empty item"), "{e}");
     }
 }

@@ -7,13 +7,21 @@ pub struct SamplingArgs {
     /// Sampling temperature; 0 = greedy. Default: the model's generation_config.
     #[arg(long)]
     pub temperature: Option<f32>,
-    #[arg(long)]
+    /// Sample only among the K most likely tokens (0 or 1 with temperature 0: greedy).
+    /// Default: the model's generation_config.
+    #[arg(long, value_name = "K")]
     pub top_k: Option<usize>,
-    #[arg(long)]
+    /// Sample only among the most likely tokens whose probabilities add up to P (nucleus,
+    /// 0 < P ≤ 1). Default: the model's generation_config.
+    #[arg(long, value_name = "P")]
     pub top_p: Option<f32>,
-    #[arg(long)]
+    /// Drop tokens less likely than P times the most likely one (0 ≤ P ≤ 1). Default: the
+    /// model's generation_config.
+    #[arg(long, value_name = "P")]
     pub min_p: Option<f32>,
-    #[arg(long)]
+    /// Divide the logits of tokens already seen by R (> 1 discourages repeats; 1 = off).
+    /// Default: the model's generation_config.
+    #[arg(long, value_name = "R")]
     pub repetition_penalty: Option<f32>,
     /// Random seed for sampling (default: from the clock).
     #[arg(long)]

@@ -761,3 +761,45 @@ fn threads_beyond_the_cores_are_capped_with_a_warning() {
         "{stderr}"
     );
 }
+
+/// Every flag of every command says what it does (`-h` shows a description beside it).
+#[test]
+fn every_flag_has_help_text() {
+    let commands: [&[&str]; 14] = [
+        &["convert"],
+        &["generate"],
+        &["logprobs"],
+        &["perplexity"],
+        &["inspect"],
+        &["info"],
+        &["serve"],
+        &["chat"],
+        &["synth"],
+        &["profile"],
+        &["bench", "decode"],
+        &["bench", "kernels"],
+        &["bench", "disk"],
+        &["bench", "serve"],
+    ];
+    let mut bare = vec![];
+    for c in commands {
+        let out = Command::new(env!("CARGO_BIN_EXE_smoe"))
+            .args(c)
+            .arg("-h")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{c:?} -h");
+        let help = String::from_utf8_lossy(&out.stdout);
+        for line in help.lines().map(str::trim_start) {
+            // "-x, --flag <V>  what it does": a flag with nothing after its spec has no help.
+            if line.starts_with('-')
+                && !line
+                    .split_once("  ")
+                    .is_some_and(|(_, d)| !d.trim().is_empty())
+            {
+                bare.push(format!("{c:?}: {line}"));
+            }
+        }
+    }
+    assert!(bare.is_empty(), "flags without help:\n{}", bare.join("\n"));
+}

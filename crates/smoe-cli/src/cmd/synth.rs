@@ -28,6 +28,7 @@ pub struct Args {
     /// built-in demo model), so `serve` and `chat` can drive the synthetic model.
     #[arg(long, value_name = "VAULT")]
     tokenizer_from: Option<PathBuf>,
+    /// The vault to write (written as OUT.smoe.partial, renamed when complete).
     #[arg(short, long, value_name = "OUT.smoe")]
     output: PathBuf,
     /// Replace OUT if it exists.
