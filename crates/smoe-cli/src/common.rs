@@ -79,7 +79,7 @@ pub fn open_engine_with(
 
 /// Parses `1,2,3` (spaces allowed; an empty item such as in `1,,2` is an error, not skipped).
 pub fn parse_ids(s: &str) -> Result<Vec<u32>> {
-    if s.trim().is_empty() {
+    if s.split(',').all(|x| x.trim().is_empty()) {
         bail!("--prompt-ids: no token ids given");
     }
     let ids: Vec<u32> = s
@@ -148,7 +148,7 @@ mod ids_tests {
     #[test]
     fn prompt_ids_refuse_empty_items() {
         assert_eq!(parse_ids(" 1, 2,3 ").unwrap(), vec![1, 2, 3]);
-        for bad in ["1,,2", "1,2,", ",1", "", " ", "1,x"] {
+        for bad in ["1,,2", "1,2,", ",1", "", " ", ",", "1,x"] {
             assert!(parse_ids(bad).is_err(), "{bad:?} accepted");
         }
         let e = parse_ids("1,,2").unwrap_err().to_string();

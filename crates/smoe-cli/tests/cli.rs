@@ -803,3 +803,30 @@ fn every_flag_has_help_text() {
     }
     assert!(bare.is_empty(), "flags without help:\n{}", bare.join("\n"));
 }
+
+/// Bad input found by trying smoe as a new user: each gets one line that names the real
+/// problem, and nothing is printed before it.
+#[test]
+fn bad_input_gets_a_precise_line() {
+    let smoe = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_smoe"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        (String::from_utf8_lossy(&out.stdout).into_owned(), stderr)
+    };
+    let (_, e) = smoe(&["generate", "--prompt", "Hi", "-n", "0"]);
+    assert!(
+        e.contains("at least 1 token") && !e.contains("--ctx"),
+        "{e}"
+    );
+    let (out, e) = smoe(&["generate", "--prompt", "Hi", "--temperature=-1"]);
+    assert!(out.is_empty(), "printed before the error: {out:?}");
+    assert!(e.contains("temperature"), "{e}");
+    let dir = std::env::temp_dir();
+    let (_, e) = smoe(&["inspect", dir.to_str().unwrap()]);
+    assert!(e.contains("directory"), "{e}");
+    assert_eq!(e.matches(dir.to_str().unwrap()).count(), 1, "{e}");
+}

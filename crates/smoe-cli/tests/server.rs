@@ -90,7 +90,11 @@ fn http(s: &Server, method: &str, path: &str, auth: Option<&str>, body: &[u8]) -
         body.len()
     );
     if let Some(k) = auth {
-        head += &format!("Authorization: Bearer {k}\r\n");
+        // A key given with its scheme ("bearer KEY") is sent as it is.
+        match k.split_once(' ') {
+            Some(_) => head += &format!("Authorization: {k}\r\n"),
+            None => head += &format!("Authorization: Bearer {k}\r\n"),
+        }
     }
     head += "\r\n";
     let mut req = head.into_bytes();
@@ -178,6 +182,13 @@ fn every_bad_request_is_an_openai_error() {
     );
     assert_error(&r, 401, "Incorrect API key");
     assert_eq!(http(&s, "GET", "/health", None, b"").status, 200);
+    // The scheme is case-insensitive.
+    for scheme in ["bearer", "BEARER"] {
+        let auth = format!("{scheme} {KEY}");
+        assert_eq!(http(&s, "GET", "/v1/models", Some(&auth), b"").status, 200);
+    }
+    let r = http(&s, "GET", "/v1/models", Some(&format!("Basic {KEY}")), b"");
+    assert_error(&r, 401, "API key");
     // Body: malformed, not an object, empty, invalid UTF-8, too large.
     assert_error(
         &http(&s, "POST", C, Some(KEY), b"{\"messages\": ["),

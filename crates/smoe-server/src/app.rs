@@ -57,8 +57,10 @@ async fn auth(State(st): State<Shared>, req: Request, next: Next) -> Response {
                 .headers()
                 .get(header::AUTHORIZATION)
                 .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "))
-                .map(str::trim);
+                // The scheme is case-insensitive (RFC 9110): `bearer KEY` too.
+                .and_then(|v| v.split_once(' '))
+                .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+                .map(|(_, key)| key.trim());
             if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
                 let msg = if given.is_none() {
                     "You didn't provide an API key: send it as 'Authorization: Bearer KEY'"

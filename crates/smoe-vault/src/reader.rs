@@ -60,6 +60,11 @@ impl Vault {
             reason,
         };
         let file = File::open(path).map_err(|e| VaultError::io(path, e))?;
+        if file.metadata().is_ok_and(|m| m.is_dir()) {
+            return Err(fmt(
+                "it is a directory (a checkpoint directory converts with `smoe convert`)".into(),
+            ));
+        }
         // SAFETY: the mapping is read-only; a vault modified while open is outside our contract,
         // and every region we rely on is bounds- and checksum-checked.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| VaultError::io(path, e))?;

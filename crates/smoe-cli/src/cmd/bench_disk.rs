@@ -60,7 +60,7 @@ pub fn run(a: Args) -> Result<()> {
         .map(|p| Ok((p.clone(), parse_read_piece(p).context("--pieces")?)))
         .collect::<Result<_>>()?;
     let path = model_path(a.model.as_deref())?;
-    let vault = Vault::open(&path).with_context(|| format!("cannot open {}", path.display()))?;
+    let vault = Vault::open(&path).context("cannot open the vault")?;
     let Some(x) = vault.expert_section() else {
         bail!(
             "{}: the vault has no routed experts to read",

@@ -26,7 +26,8 @@ pub struct Args {
     #[arg(long, requires = "prompt")]
     chat: bool,
     /// Maximum number of tokens to generate.
-    #[arg(short = 'n', long = "max-tokens", default_value_t = 128)]
+    #[arg(short = 'n', long = "max-tokens", default_value_t = 128,
+          value_parser = at_least_one)]
     max_tokens: usize,
     #[command(flatten)]
     sampling: crate::sampling_args::SamplingArgs,
@@ -76,6 +77,8 @@ pub fn run(a: Args) -> Result<()> {
     }
     let mut sampler = a.sampling.apply(engine.default_sampler());
     sampler.seed = a.sampling.seed();
+    // Bad settings are refused before anything is printed.
+    sampler.validate()?;
     let opts = GenerateOptions {
         max_tokens: a.max_tokens,
         sampler: sampler.clone(),
@@ -150,4 +153,13 @@ pub fn run(a: Args) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// `-n`: a count of tokens to generate, at least 1.
+fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(0) => Err("nothing to generate: ask for at least 1 token".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("'{s}' is not a count of tokens")),
+    }
 }

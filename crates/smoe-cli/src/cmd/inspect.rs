@@ -20,7 +20,7 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let v = Vault::open(&a.vault).with_context(|| format!("cannot open {}", a.vault.display()))?;
+    let v = Vault::open(&a.vault).context("cannot open the vault")?;
     let h = &v.header;
     if a.json {
         let mut j = serde_json::to_value(&**h)?;
