@@ -77,6 +77,25 @@ pub fn open_engine_with(
     Ok(engine)
 }
 
+/// Checks that a vault may be written to `out`: it does not exist, or `force` replaces it — and
+/// then only a regular file (a device node such as /dev/full, a folder or a socket is never
+/// replaced by the rename that finishes the write).
+pub fn check_output(out: &std::path::Path, force: bool) -> Result<()> {
+    let Ok(meta) = std::fs::symlink_metadata(out) else {
+        return Ok(());
+    };
+    if !meta.file_type().is_file() {
+        bail!(
+            "{} exists and is not a regular file: it is never replaced",
+            out.display()
+        );
+    }
+    if !force {
+        bail!("{} exists (pass --force to replace it)", out.display());
+    }
+    Ok(())
+}
+
 /// Parses `1,2,3` (spaces allowed; an empty item such as in `1,,2` is an error, not skipped).
 pub fn parse_ids(s: &str) -> Result<Vec<u32>> {
     if s.split(',').all(|x| x.trim().is_empty()) {

@@ -830,3 +830,29 @@ fn bad_input_gets_a_precise_line() {
     assert!(e.contains("directory"), "{e}");
     assert_eq!(e.matches(dir.to_str().unwrap()).count(), 1, "{e}");
 }
+
+/// An output that exists and is not a regular file (a FIFO standing in for a device node such
+/// as /dev/full, a folder) is never replaced, even with --force.
+#[cfg(unix)]
+#[test]
+fn outputs_never_replace_what_is_not_a_regular_file() {
+    use std::os::unix::fs::FileTypeExt;
+    let dir = ScratchDir::new("special-outputs").unwrap();
+    let fifo = dir.join("out.smoe");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a NUL-terminated path and a mode.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    for out in [fifo.to_str().unwrap(), dir.to_str().unwrap()] {
+        let o = Command::new(env!("CARGO_BIN_EXE_smoe"))
+            .args(["synth", "--preset", "tiny", "--force", "-o", out])
+            .output()
+            .unwrap();
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{out}: {e}");
+        assert!(e.contains("not a regular file"), "{out}: {e}");
+    }
+    assert!(
+        std::fs::metadata(&fifo).unwrap().file_type().is_fifo(),
+        "the FIFO was replaced"
+    );
+}

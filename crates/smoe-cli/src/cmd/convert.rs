@@ -25,9 +25,7 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    if a.output.exists() && !a.force {
-        bail!("{} exists (pass --force to replace it)", a.output.display());
-    }
+    crate::common::check_output(&a.output, a.force)?;
     let opts = ConvertOptions {
         experts: a.quant.parse::<DType>().map_err(anyhow::Error::msg)?,
         scout: a.scout.parse::<DType>().map_err(anyhow::Error::msg)?,

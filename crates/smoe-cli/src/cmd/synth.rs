@@ -44,9 +44,7 @@ pub fn run(a: Args) -> Result<()> {
             PRESETS.join(", ")
         );
     };
-    if a.output.exists() && !a.force {
-        bail!("{} exists (pass --force to replace it)", a.output.display());
-    }
+    crate::common::check_output(&a.output, a.force)?;
     if !a.router_skew.is_finite() || a.router_skew < 0.0 {
         bail!("--router-skew must be ≥ 0");
     }

@@ -203,6 +203,12 @@ impl HfCheckpoint {
     }
 }
 
+/// Whether `name` is one plain file name (what a shard index may name): not empty, not `.` or
+/// `..`, no path separator.
+fn is_plain_file_name(name: &str) -> bool {
+    !name.is_empty() && name != "." && name != ".." && !name.contains(['/', '\\'])
+}
+
 /// The shards named by `model.safetensors.index.json`, else `model.safetensors`, else every
 /// `*.safetensors` in the directory.
 fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
@@ -220,6 +226,13 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
             .collect();
         files.sort();
         files.dedup();
+        // A shard is a file name inside the checkpoint: no absolute path, no `..`, no folder.
+        if let Some(f) = files.iter().find(|f| !is_plain_file_name(f)) {
+            return Err(VaultError::Config(format!(
+                "{}: shard '{f}' is not a file name inside the checkpoint directory",
+                index.display()
+            )));
+        }
         let paths: Vec<PathBuf> = files.iter().map(|f| dir.join(f)).collect();
         if let Some(p) = paths.iter().find(|p| !p.exists()) {
             return Err(VaultError::Config(format!(
@@ -417,4 +430,30 @@ pub fn convert_checkpoint_to_path(
         let _ = std::fs::remove_file(&tmp);
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A shard index may only name files inside the checkpoint: a path out of it is refused
+    /// before anything is opened.
+    #[test]
+    fn shard_index_paths_stay_inside_the_checkpoint() {
+        let dir = std::env::temp_dir().join(format!("smoe-shards-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for bad in [
+            "../../../../etc/passwd",
+            "/etc/passwd",
+            "sub/x.safetensors",
+            "..",
+        ] {
+            let index = serde_json::json!({"weight_map": {"a": bad}});
+            std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+            let e = safetensors_files(&dir).unwrap_err().to_string();
+            assert!(e.contains("not a file name inside"), "{bad}: {e}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(is_plain_file_name("model-00001-of-00002.safetensors"));
+    }
 }
