@@ -375,6 +375,15 @@ fn convert_reports_bad_checkpoints() {
         &smoe(&["convert", "/nonexistent-dir", "-o", "/tmp/x.smoe"]),
         "not a directory",
     );
+    // A tokenizer that does not load fails the conversion; none at all is warned about.
+    let d = broken_checkpoint("tok", |_| {});
+    std::fs::write(d.join("tokenizer.json"), "{ not a tokenizer").unwrap();
+    assert_one_line_error(&convert(&d), "tokenizer.json does not load");
+    std::fs::remove_file(d.join("tokenizer.json")).unwrap();
+    let r = convert(&d);
+    let e = String::from_utf8_lossy(&r.stderr);
+    assert!(r.status.success(), "{e}");
+    assert!(e.contains("no tokenizer.json"), "{e}");
 }
 
 #[test]

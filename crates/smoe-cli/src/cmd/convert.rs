@@ -1,7 +1,7 @@
 //! `smoe convert`: Hugging Face checkpoint → .smoe vault.
 
 use crate::common::{human_bytes, progress_bar};
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use smoe_vault::import::{hf, ConvertOptions, HfCheckpoint};
 use smoe_vault::DType;
 use std::path::PathBuf;
@@ -43,6 +43,19 @@ pub fn run(a: Args) -> Result<()> {
         opts.experts,
         opts.scout
     );
+    // The tokenizer must load as the engine will load it; a checkpoint without one converts
+    // into a vault that takes token ids only, which is worth a warning.
+    match &ck.text.tokenizer_json {
+        Some(json) => {
+            smoe_engine::tokenizer::Tokenizer::from_json(json).with_context(|| {
+                format!("{}: tokenizer.json does not load", a.hf_dir.display())
+            })?;
+        }
+        None => eprintln!(
+            "warning: {} has no tokenizer.json: the vault will take --prompt-ids only (no --prompt, chat or serve)",
+            a.hf_dir.display()
+        ),
+    }
     let pb = progress_bar(ck.source_bytes(), "converting");
     let mut progress = |bytes: u64, _what: &str| pb.inc(bytes);
     let len = hf::convert_checkpoint_to_path(&ck, &a.output, opts, &mut progress)
