@@ -60,6 +60,8 @@ pub struct Engine {
 impl Engine {
     pub fn open(path: &Path, opts: EngineOptions) -> Result<Self, EngineError> {
         let vault = Vault::open(path)?;
+        // The configuration must describe the tensors before anything is sized from it.
+        vault.check_layout()?;
         if opts.verify {
             vault.verify_scout()?;
         }

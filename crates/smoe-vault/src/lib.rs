@@ -6,6 +6,7 @@
 //! - [`tensors`]: the one table of tensor names and shapes every part of smoe reads.
 //! - [`import`]: Hugging Face checkpoints (config.json + safetensors + tokenizer files).
 pub mod config;
+mod consistency;
 pub mod error;
 pub mod format;
 pub mod import;

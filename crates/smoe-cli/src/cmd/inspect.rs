@@ -7,8 +7,10 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct Args {
+    /// The .smoe vault to describe.
     vault: PathBuf,
-    /// Recompute every checksum (scout tensors and expert blobs).
+    /// Check the configuration against the tensors (as loading does), then recompute every
+    /// checksum (scout tensors and expert blobs).
     #[arg(long)]
     verify: bool,
     /// List every expert blob, not just a summary.
@@ -140,6 +142,8 @@ pub fn run(a: Args) -> Result<()> {
         }
     }
     if a.verify {
+        // The same consistency checks as loading, then every checksum.
+        v.check_layout()?;
         v.verify_scout()?;
         if let Some(x) = v.expert_section() {
             let pb = progress_bar(x.used_bytes * x.blobs.len() as u64, "verifying");
