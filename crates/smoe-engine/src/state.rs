@@ -177,7 +177,7 @@ impl SeqState {
     /// latest checkpoint at or before `keep`; else none (the caller feeds the tokens again).
     pub fn rewind(&mut self, keep: usize) -> usize {
         let keep = keep.min(self.len);
-        if self.truncatable() {
+        if keep == self.len || self.truncatable() {
             self.len = keep;
             return keep;
         }
@@ -254,6 +254,10 @@ mod tests {
         (0..5).for_each(|i| feed(&mut s, i as f32));
         s.checkpoint();
         (5..9).for_each(|i| feed(&mut s, i as f32));
+        // Keeping every position keeps the state as it is.
+        let now = recurrent_of(&s);
+        assert_eq!(s.rewind(9), 9);
+        assert_eq!(recurrent_of(&s), now);
         // A prefix of 7 shared: the state at 7 is gone, the checkpoint at 5 is the latest.
         assert_eq!(s.rewind(7), 5);
         let mut fresh = SeqState::new(kinds.clone(), 16);
