@@ -232,6 +232,7 @@ fn every_bad_request_is_an_openai_error() {
         (json!({"n": 2}), "n = 1"),
         (json!({"stream": "yes"}), "stream"),
         (json!({"stop": 7}), "stop"),
+        (json!({"stop": ["x".repeat(257)]}), "at most 256 bytes"),
         (json!({"top_p": 1.5}), "top_p"),
         (json!({"seed": "x"}), "seed"),
         (json!({"top_logprobs": 2}), "logprobs"),
