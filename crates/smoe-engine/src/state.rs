@@ -76,21 +76,18 @@ impl SeqState {
             .iter()
             .map(|&k| LayerState::new(k, capacity))
             .collect();
-        SeqState {
-            kinds,
-            layers,
-            capacity,
-            len: 0,
-            checkpoints: vec![],
-            gpu: None,
-        }
+        Self::with_layers(kinds, layers, capacity)
     }
 
     /// A GPU model's sequence: no host copy of the state.
     pub(crate) fn on_gpu(kinds: Vec<StateKind>, capacity: usize) -> Self {
+        Self::with_layers(kinds, vec![], capacity)
+    }
+
+    fn with_layers(kinds: Vec<StateKind>, layers: Vec<LayerState>, capacity: usize) -> Self {
         SeqState {
             kinds,
-            layers: vec![],
+            layers,
             capacity,
             len: 0,
             checkpoints: vec![],

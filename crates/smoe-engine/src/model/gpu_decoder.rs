@@ -233,11 +233,6 @@ impl GpuDecoder {
         self.chain.as_ref().filter(|_| self.streaming.is_none())
     }
 
-    /// The first MoE layer after `l`.
-    fn next_moe(&self, l: usize) -> Option<usize> {
-        self.cfg.moe_layers().find(|&m| m > l)
-    }
-
     /// GPU KV caches kept for reuse (dropped sequences' caches; see `gpu::KvPool`).
     pub fn kept_kv_caches(&self) -> usize {
         self.kv_pool.len()

@@ -145,12 +145,6 @@ impl Mixer {
             },
         }
     }
-
-    pub fn attention(&self) -> Option<&Attention> {
-        match self {
-            Mixer::Attention(a) => Some(a),
-        }
-    }
 }
 
 impl Ffn {

@@ -231,7 +231,10 @@ impl GpuDecoder {
         let k = self.acts.d.k;
         let bytes = 4 * (n * k) as u64;
         st.ids.copy(&mut enc, &self.acts.ids, bytes);
-        let ahead = self.next_moe(l).filter(|_| !layers[l].lookahead.is_empty());
+        let ahead = self
+            .spec
+            .next_moe(l)
+            .filter(|_| !layers[l].lookahead.is_empty());
         if ahead.is_some() {
             st.ahead.copy(&mut enc, &self.acts.ahead[1], bytes);
         }
